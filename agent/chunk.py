@@ -1,0 +1,81 @@
+"""The chunk header: what makes a stored chunk self-describing and verifiable.
+
+Every copy of a chunk outside an engine (a pool slot now, files and objects on secondary
+tiers) carries this header, so a restarted agent can rebuild its index from the bytes alone
+and a torn or corrupted copy is recognised as a miss instead of being served.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvtier.agent.pool import SLOT_HEADER_BYTES
+
+CHUNK_MAGIC = b"KVTC"
+CHUNK_VERSION = 1
+MAX_NAMESPACE_BYTES = 256
+MAX_KEY_BYTES = 1024
+_FIXED = struct.Struct("<4sHBxQQHH")  # magic, version, state, length, checksum, ns len, key len
+HEADER_BYTES = SLOT_HEADER_BYTES
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    WRITING = 1
+    SEALED = 2  # bytes complete and checksum written: safe to re-index after a restart
+
+
+def checksum(data: memoryview | bytes) -> int:
+    """xxh3-64 releases the GIL and runs several times faster than memcpy, so it never
+    becomes the bottleneck of a copy path."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    namespace: str
+    key: bytes
+    length: int
+    checksum: int
+    state: SlotState = SlotState.SEALED
+
+    def pack(self) -> bytes:
+        ns = self.namespace.encode()
+        if len(ns) > MAX_NAMESPACE_BYTES or len(self.key) > MAX_KEY_BYTES:
+            raise ValueError("namespace or key too long for a chunk header")
+        fixed = _FIXED.pack(
+            CHUNK_MAGIC, CHUNK_VERSION, self.state, self.length, self.checksum, len(ns),
+            len(self.key),
+        )
+        return fixed + ns + self.key
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> ChunkHeader | None:
+        """Parse a header; None when the bytes are not a header of this format."""
+        if len(raw) < _FIXED.size:
+            return None
+        magic, version, state, length, digest, ns_len, key_len = _FIXED.unpack_from(raw)
+        if magic != CHUNK_MAGIC or version != CHUNK_VERSION:
+            return None
+        if ns_len > MAX_NAMESPACE_BYTES or key_len > MAX_KEY_BYTES:
+            return None
+        end = _FIXED.size + ns_len + key_len
+        if len(raw) < end:
+            return None
+        try:
+            namespace = bytes(raw[_FIXED.size : _FIXED.size + ns_len]).decode()
+            return cls(namespace, bytes(raw[_FIXED.size + ns_len : end]), length, digest,
+                       SlotState(state))
+        except ValueError:
+            return None
+
+    def verify(self, payload: memoryview | bytes) -> bool:
+        return (
+            self.state == SlotState.SEALED
+            and len(payload) >= self.length
+            and checksum(memoryview(payload)[: self.length]) == self.checksum
+        )

@@ -1,0 +1,220 @@
+"""The client side of the node agent: what the vLLM plug-in and tools use.
+
+Control messages go over the agent's ipc socket; chunk bytes are copied by this process
+straight between its own buffers and the shared pool (numpy copies release the GIL, so
+several threads copy in parallel). Imports only numpy, pyzmq and msgspec, which vLLM has.
+
+Every call either answers within `timeout` or raises AgentUnavailable; the caller turns that
+into a cache miss. After a timeout the socket is rebuilt, so a late reply from a stalled
+agent can never be taken for the answer to a later request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvtier.agent import protocol as p
+from kvtier.agent.liveness import ClientLock
+from kvtier.agent.pool import PoolMap
+
+_RID = struct.Struct("<Q")
+
+
+class AgentUnavailable(ConnectionError):
+    """The agent did not answer in time; the caller treats it as a miss."""
+
+
+class AgentRefused(AgentUnavailable):
+    """The agent answered with an error: the request itself was wrong."""
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    hits: list[bool]
+    prefix: int
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Slots granted for a store or a load: `slots[i]` is a slot number, or negative when
+    key i is not to be copied (see kvtier.agent.index for the codes)."""
+
+    lease: int
+    slots: list[int]
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    stored: int
+    skipped: int
+
+
+def _as_bytes(row: Any) -> np.ndarray:
+    array = np.asarray(row)
+    if not array.flags.c_contiguous:
+        raise ValueError("rows must be C-contiguous to be copied into the pool")
+    return array.reshape(-1).view(np.uint8)
+
+
+class AgentClient:
+    def __init__(self, endpoint: str, timeout: float = 5.0, client_id: str | None = None) -> None:
+        if not endpoint.startswith("ipc://"):
+            raise ValueError(f"agent endpoint must be ipc://PATH, got {endpoint!r}")
+        self.endpoint = endpoint
+        self.run_dir = Path(endpoint.removeprefix("ipc://")).parent
+        self.timeout_ms = int(timeout * 1000)
+        self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket[bytes] | None = None
+        self._rids = itertools.count(1)
+        self._lock: ClientLock | None = None
+        self.pool: PoolMap | None = None
+        self.hello: p.HelloReply | None = None
+
+    # --- connection ----------------------------------------------------------------------
+
+    def connect(self) -> AgentClient:
+        """Say hello and map the pool. Safe to call again after the agent restarted."""
+        if self._lock is None:
+            self._lock = ClientLock(self.run_dir / "clients", self.client_id)
+        reply = self._call(p.Hello(self.client_id, self._lock.path.name), p.HelloReply)
+        if self.pool is None or str(self.pool.path) != reply.pool:
+            if self.pool is not None:
+                self.pool.close()
+            self.pool = PoolMap.open(Path(reply.pool))
+        self.hello = reply
+        return self
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self) -> AgentClient:
+        return self.connect()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    @property
+    def slot_bytes(self) -> int:
+        assert self.hello is not None, "connect() first"
+        return self.hello.payload_bytes
+
+    # --- control calls -------------------------------------------------------------------
+
+    def lookup(self, namespace: str, keys: Sequence[bytes]) -> LookupResult:
+        reply = self._call(p.Lookup(namespace, list(keys)), p.LookupReply)
+        return LookupResult(reply.hits, reply.prefix)
+
+    def allocate(self, namespace: str, keys: Sequence[bytes], nbytes: int) -> Grant:
+        reply = self._call(p.Allocate(self.client_id, namespace, list(keys), nbytes), p.LeaseReply)
+        return Grant(reply.lease, reply.slots)
+
+    def commit(self, lease: int) -> None:
+        self._call(p.Commit(lease), p.Ack)
+
+    def abort(self, lease: int) -> None:
+        self._call(p.Abort(lease), p.Ack)
+
+    def begin_load(self, namespace: str, keys: Sequence[bytes]) -> Grant:
+        reply = self._call(p.BeginLoad(self.client_id, namespace, list(keys)), p.LeaseReply)
+        return Grant(reply.lease, reply.slots)
+
+    def end_load(self, lease: int) -> None:
+        self._call(p.EndLoad(lease), p.Ack)
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(p.Stats(), p.StatsReply).stats
+
+    # --- whole operations ----------------------------------------------------------------
+
+    def slot(self, slot: int, nbytes: int | None = None) -> np.ndarray:
+        """A writable uint8 view of a slot's payload in the shared pool."""
+        assert self.pool is not None, "connect() first"
+        return self.pool.payload(slot, nbytes)
+
+    def store(self, namespace: str, keys: Sequence[bytes], rows: Sequence[Any]) -> StoreResult:
+        """Store rows (buffers of equal size) under keys: allocate, copy, commit.
+
+        Keys the agent already holds are skipped without copying.
+        """
+        views = [_as_bytes(r) for r in rows]
+        if len(views) != len(keys):
+            raise ValueError("store needs one row per key")
+        if not views:
+            return StoreResult(0, 0)
+        nbytes = views[0].nbytes
+        grant = self.allocate(namespace, keys, nbytes)
+        if grant.lease == 0:
+            return StoreResult(0, len(keys))
+        try:
+            for view, slot in zip(views, grant.slots, strict=True):
+                if slot >= 0:
+                    np.copyto(self.slot(slot, nbytes), view)
+        except BaseException:
+            self.abort(grant.lease)
+            raise
+        self.commit(grant.lease)
+        stored = sum(1 for s in grant.slots if s >= 0)
+        return StoreResult(stored, len(keys) - stored)
+
+    def load_into(self, namespace: str, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+        """Copy the held chunks among keys into `outs`; returns which keys were copied."""
+        views = [_as_bytes(o) for o in outs]
+        if len(views) != len(keys):
+            raise ValueError("load needs one output buffer per key")
+        grant = self.begin_load(namespace, keys)
+        if grant.lease == 0:
+            return [False] * len(keys)
+        try:
+            for view, slot in zip(views, grant.slots, strict=True):
+                if slot >= 0:
+                    np.copyto(view, self.slot(slot, view.nbytes))
+        finally:
+            self.end_load(grant.lease)
+        return [s >= 0 for s in grant.slots]
+
+    # --- transport -----------------------------------------------------------------------
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def _call(self, request: p.Request, expect: type[Any]) -> Any:
+        sock = self._socket()
+        rid = _RID.pack(next(self._rids))
+        sock.send_multipart([rid, p.encode(request)])
+        while sock.poll(self.timeout_ms):
+            got_rid, body = sock.recv_multipart()
+            if got_rid != rid:
+                continue  # a late answer to an earlier, timed-out request
+            reply = p.reply_decoder.decode(body)
+            if isinstance(reply, p.ErrorReply):
+                raise AgentRefused(f"agent refused {type(request).__name__}: {reply.message}")
+            if not isinstance(reply, expect):
+                raise AgentRefused(f"unexpected reply {type(reply).__name__}")
+            return reply
+        sock.close(linger=0)
+        self._sock = None
+        raise AgentUnavailable(f"agent at {self.endpoint} did not answer within {self.timeout_ms} ms")

@@ -1,0 +1,207 @@
+"""The host-memory tier: the shared pool, its index, and the sealing of committed chunks.
+
+Checksums are computed off the request path by a sealer thread: a commit returns as soon as
+the chunk is indexed, and the chunk header turns SEALED once its checksum is written. Only
+sealed slots survive an agent restart, so a slot whose write or checksum never finished is
+dropped instead of served.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.agent.chunk import ChunkHeader, SlotState, checksum
+from kvtier.agent.config import HostTierConfig
+from kvtier.agent.index import BUSY, EXISTS, FULL, Entry, HostIndex
+from kvtier.agent.metrics import AgentMetrics
+from kvtier.agent.policy import make_policy
+from kvtier.agent.pool import PoolGeometry, PoolMap, create_or_reuse, slot_payload_bytes
+
+log = logging.getLogger("kvtier.agent.host")
+
+TIER = "host"
+_SKIP_REASONS = {EXISTS: "exists", BUSY: "busy", FULL: "full"}
+
+
+class HostTier:
+    def __init__(
+        self, config: HostTierConfig, pool_path: Path, metrics: AgentMetrics, lease_seconds: float
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.lease_seconds = lease_seconds
+        geometry = PoolGeometry(slot_payload_bytes(config.chunk_bytes), config.slot_count)
+        self.pool, reused = create_or_reuse(pool_path, geometry, populate=config.prefault)
+        self.index = HostIndex(geometry.slot_count, make_policy(config.policy, geometry.slot_count))
+        self.lock = threading.Lock()
+        self.corrupt = 0
+        if reused:
+            self._reindex()
+        self._seal_queue: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
+        self._sealer = threading.Thread(target=self._seal_loop, name="kvtier-sealer", daemon=True)
+        self._sealer.start()
+        metrics.capacity_bytes.labels(TIER).set(geometry.slot_count * geometry.payload_bytes)
+        self._update_gauges()
+
+    @property
+    def geometry(self) -> PoolGeometry:
+        return self.pool.geometry
+
+    # --- requests (called by the server loop) ----------------------------------------------
+
+    def lookup(self, namespace: str, keys: list[bytes]) -> tuple[list[bool], int]:
+        with self.lock:
+            hits, prefix = self.index.lookup(namespace, keys)
+        n_hits = sum(hits)
+        self.metrics.lookups.inc(len(keys))
+        self.metrics.hits.labels(TIER).inc(n_hits)
+        self.metrics.misses.inc(len(keys) - n_hits)
+        return hits, prefix
+
+    def allocate(
+        self, client: str, namespace: str, keys: list[bytes], nbytes: int
+    ) -> tuple[int, list[int]]:
+        if not 0 < nbytes <= self.geometry.payload_bytes:
+            raise ValueError(
+                f"nbytes {nbytes} does not fit a slot of {self.geometry.payload_bytes} bytes; "
+                "the engine's row size must match the agent's host.chunkBytes"
+            )
+        with self.lock:
+            evictions = self.index.counters.evictions
+            lease, slots = self.index.allocate(
+                client, namespace, keys, nbytes, time.monotonic() + self.lease_seconds
+            )
+            evicted = self.index.counters.evictions - evictions
+            for slot in slots:
+                if slot >= 0:
+                    self._write_header(slot, ChunkHeader(namespace, b"", 0, 0, SlotState.WRITING))
+        for slot in slots:
+            if slot < 0:
+                self.metrics.store_skipped.labels(_SKIP_REASONS[slot]).inc()
+        self.metrics.evictions.labels(TIER).inc(evicted)
+        self._update_gauges()
+        return lease, slots
+
+    def commit(self, lease: int) -> None:
+        with self.lock:
+            entries = self.index.commit(lease)
+            for entry in entries:
+                ns, key = entry.id
+                self._write_header(
+                    entry.slot, ChunkHeader(ns, key, entry.length, 0, SlotState.WRITING)
+                )
+                self.index.pin(entry)
+        for entry in entries:
+            self._seal_queue.put(entry)
+        self.metrics.store_bytes.labels(TIER).inc(sum(e.length for e in entries))
+        self._update_gauges()
+
+    def abort(self, lease: int) -> None:
+        with self.lock:
+            self.index.abort(lease)
+        self._update_gauges()
+
+    def begin_load(self, client: str, namespace: str, keys: list[bytes]) -> tuple[int, list[int]]:
+        with self.lock:
+            lease, slots = self.index.begin_load(
+                client, namespace, keys, time.monotonic() + self.lease_seconds
+            )
+            nbytes = self.index.lease_bytes(lease)
+        self.metrics.load_bytes.labels(TIER).inc(nbytes)
+        return lease, slots
+
+    def end_load(self, lease: int) -> None:
+        with self.lock:
+            self.index.end_load(lease)
+
+    def reclaim(self, now: float, dead_clients: list[str]) -> int:
+        """Release expired leases and those of dead clients; returns how many."""
+        with self.lock:
+            expired = self.index.expire(now)
+            reclaimed = [lease for c in dead_clients for lease in self.index.release_client(c)]
+        if expired:
+            self.metrics.leases_reclaimed.labels("expired").inc(len(expired))
+            log.warning("released %d expired leases", len(expired))
+        if reclaimed:
+            self.metrics.leases_reclaimed.labels("client_gone").inc(len(reclaimed))
+            log.warning("released %d leases of %d dead clients", len(reclaimed), len(dead_clients))
+        if expired or reclaimed:
+            self._update_gauges()
+        return len(expired) + len(reclaimed)
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            c = self.index.counters
+            return {
+                "capacity_bytes": self.geometry.slot_count * self.geometry.payload_bytes,
+                "used_bytes": self.index.chunks * self.geometry.payload_bytes,
+                "slot_bytes": self.geometry.payload_bytes,
+                "slots": self.geometry.slot_count,
+                "free_slots": self.index.free_slots,
+                "chunks": self.index.chunks,
+                "leases": self.index.leases,
+                "pinned_slots": self.index.pinned_slots(),
+                "lookups": c.lookups,
+                "hits": c.hits,
+                "evictions": c.evictions,
+                "store_full": c.full,
+                "leases_expired": c.leases_expired,
+                "leases_reclaimed": c.leases_reclaimed,
+                "corrupt": self.corrupt,
+                "namespaces": dict(c.namespaces),
+                **self.index.policy.describe(),
+            }
+
+    def close(self) -> None:
+        self._seal_queue.put(None)
+        self._sealer.join(timeout=10)
+        self.pool.close()
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _write_header(self, slot: int, header: ChunkHeader) -> None:
+        raw = header.pack()
+        self.pool.header(slot)[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+
+    def _seal_loop(self) -> None:
+        while (entry := self._seal_queue.get()) is not None:
+            ns, key = entry.id
+            digest = checksum(memoryview(self.pool.payload(entry.slot, entry.length)))
+            with self.lock:
+                self._write_header(entry.slot, ChunkHeader(ns, key, entry.length, digest))
+                self.index.unpin(entry)
+
+    def _reindex(self) -> None:
+        """Rebuild the index from the pool after a restart, serving only verified chunks."""
+        started = time.monotonic()
+        for slot in range(self.geometry.slot_count):
+            header = ChunkHeader.unpack(memoryview(self.pool.header(slot)))
+            if header is None or header.state != SlotState.SEALED:
+                continue
+            payload = memoryview(self.pool.payload(slot))
+            if header.length > len(payload) or not header.verify(payload):
+                self.corrupt += 1
+                self.metrics.corrupt.labels(TIER).inc()
+                self._write_header(slot, ChunkHeader("", b"", 0, 0, SlotState.FREE))
+                log.warning("dropped corrupt chunk in slot %d", slot)
+                continue
+            if self.index.get(header.namespace, header.key) is None:
+                self.index.adopt(header.namespace, header.key, slot, header.length)
+        log.info(
+            "re-indexed pool: %d chunks, %d corrupt, %.2fs",
+            self.index.chunks, self.corrupt, time.monotonic() - started,
+        )
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.free_slots.set(self.index.free_slots)
+        m.leases.set(self.index.leases)
+        m.chunks.labels(TIER).set(self.index.chunks)
+        m.used_bytes.labels(TIER).set(self.index.chunks * self.geometry.payload_bytes)

@@ -1,0 +1,270 @@
+"""The host tier's index: which chunk lives in which pool slot, and who holds it.
+
+Pure bookkeeping with no I/O, so every rule (no eviction under a lease, leases reclaimed
+when they expire or their client dies, a chunk readable only once committed) is tested
+directly. The agent serialises calls with one lock; nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvtier.agent.policy import EvictionPolicy
+
+# Per-key answers of `allocate` that are not slot numbers.
+EXISTS = -1  # already held: the store is a duplicate and is skipped
+BUSY = -2  # another client is writing it right now
+FULL = -3  # every slot is pinned; nothing could be evicted
+MISS = -1  # `begin_load`: not held
+
+
+class EntryState(enum.IntEnum):
+    WRITING = 1
+    READY = 2
+
+
+ChunkKey = tuple[str, bytes]
+
+
+@dataclass(eq=False)
+class Entry:
+    id: ChunkKey
+    slot: int
+    length: int
+    state: EntryState = EntryState.WRITING
+    pins: int = 0
+
+
+@dataclass(eq=False)
+class Lease:
+    id: int
+    client: str
+    kind: Literal["store", "load"]
+    entries: list[Entry]
+    deadline: float
+
+
+@dataclass
+class IndexCounters:
+    lookups: int = 0
+    hits: int = 0
+    evictions: int = 0
+    full: int = 0
+    leases_expired: int = 0
+    leases_reclaimed: int = 0
+    namespaces: Counter[str] = field(default_factory=Counter)
+
+
+class HostIndex:
+    def __init__(self, slot_count: int, policy: EvictionPolicy) -> None:
+        self.slot_count = slot_count
+        self.policy = policy
+        self._by_ns: dict[str, dict[bytes, Entry]] = {}
+        self._free = list(range(slot_count - 1, -1, -1))
+        self._leases: dict[int, Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self.counters = IndexCounters()
+
+    # --- queries -------------------------------------------------------------------------
+
+    def get(self, namespace: str, key: bytes) -> Entry | None:
+        return self._by_ns.get(namespace, {}).get(key)
+
+    def lookup(self, namespace: str, keys: list[bytes]) -> tuple[list[bool], int]:
+        """Per-key hits and the length of the longest all-hit prefix."""
+        table = self._by_ns.get(namespace, {})
+        hits = []
+        on_hit = self.policy.on_hit
+        for key in keys:
+            entry = table.get(key)
+            hit = entry is not None and entry.state is EntryState.READY
+            if hit:
+                on_hit(entry.id)  # type: ignore[union-attr]
+            hits.append(hit)
+        prefix = hits.index(False) if False in hits else len(hits)
+        self.counters.lookups += len(keys)
+        self.counters.hits += sum(hits)
+        return hits, prefix
+
+    @property
+    def chunks(self) -> int:
+        return sum(self.counters.namespaces.values())
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def leases(self) -> int:
+        return len(self._leases)
+
+    def pinned_slots(self) -> int:
+        return sum(1 for t in self._by_ns.values() for e in t.values() if e.pins)
+
+    # --- store ---------------------------------------------------------------------------
+
+    def allocate(
+        self, client: str, namespace: str, keys: list[bytes], length: int, deadline: float
+    ) -> tuple[int, list[int]]:
+        """Reserve a slot per new key for `client` to write; returns (lease id, slots).
+
+        Keys already held or being written get EXISTS/BUSY instead of a slot, so duplicate
+        stores cost one round trip and no copy.
+        """
+        table = self._by_ns.setdefault(namespace, {})
+        slots: list[int] = []
+        entries: list[Entry] = []
+        for key in keys:
+            existing = table.get(key)
+            if existing is not None:
+                slots.append(EXISTS if existing.state is EntryState.READY else BUSY)
+                continue
+            slot = self._take_slot((namespace, key))
+            if slot is None:
+                self.counters.full += 1
+                slots.append(FULL)
+                continue
+            entry = Entry(id=(namespace, key), slot=slot, length=length, pins=1)
+            table[key] = entry
+            entries.append(entry)
+            slots.append(slot)
+        if not entries:
+            return 0, slots
+        return self._new_lease(client, "store", entries, deadline), slots
+
+    def commit(self, lease_id: int) -> list[Entry]:
+        """Make a store lease's chunks readable; returns them for sealing."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None or lease.kind != "store":
+            return []
+        for entry in lease.entries:
+            entry.state = EntryState.READY
+            entry.pins -= 1
+            self.policy.on_insert(entry.id)
+            self.counters.namespaces[entry.id[0]] += 1
+        return lease.entries
+
+    def abort(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self._release(lease)
+
+    # --- load ----------------------------------------------------------------------------
+
+    def begin_load(
+        self, client: str, namespace: str, keys: list[bytes], deadline: float
+    ) -> tuple[int, list[int]]:
+        """Pin the ready chunks among `keys` for reading; MISS for the others."""
+        table = self._by_ns.get(namespace, {})
+        slots: list[int] = []
+        entries: list[Entry] = []
+        for key in keys:
+            entry = table.get(key)
+            if entry is None or entry.state is not EntryState.READY:
+                slots.append(MISS)
+                continue
+            entry.pins += 1
+            entries.append(entry)
+            slots.append(entry.slot)
+        if not entries:
+            return 0, slots
+        return self._new_lease(client, "load", entries, deadline), slots
+
+    def lease_bytes(self, lease_id: int) -> int:
+        lease = self._leases.get(lease_id)
+        return sum(e.length for e in lease.entries) if lease else 0
+
+    def end_load(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self._release(lease)
+
+    # --- maintenance ---------------------------------------------------------------------
+
+    def pin(self, entry: Entry) -> None:
+        entry.pins += 1
+
+    def unpin(self, entry: Entry) -> None:
+        entry.pins -= 1
+
+    def adopt(self, namespace: str, key: bytes, slot: int, length: int) -> Entry:
+        """Index a chunk found in the pool after a restart."""
+        self._free.remove(slot)
+        entry = Entry(id=(namespace, key), slot=slot, length=length, state=EntryState.READY)
+        self._by_ns.setdefault(namespace, {})[key] = entry
+        self.policy.on_insert(entry.id)
+        self.counters.namespaces[namespace] += 1
+        return entry
+
+    def remove(self, entry: Entry) -> None:
+        """Drop a ready, unpinned chunk (it failed verification, or was deleted)."""
+        if entry.pins or entry.state is not EntryState.READY:
+            return
+        self.policy.on_remove(entry.id)
+        self._forget(entry)
+        self._free.append(entry.slot)
+
+    def expire(self, now: float) -> list[Lease]:
+        expired = [lease for lease in self._leases.values() if lease.deadline <= now]
+        for lease in expired:
+            del self._leases[lease.id]
+            self._release(lease)
+        self.counters.leases_expired += len(expired)
+        return expired
+
+    def release_client(self, client: str) -> list[Lease]:
+        """Release every lease of a client that is gone."""
+        gone = [lease for lease in self._leases.values() if lease.client == client]
+        for lease in gone:
+            del self._leases[lease.id]
+            self._release(lease)
+        self.counters.leases_reclaimed += len(gone)
+        return gone
+
+    def clients_with_leases(self) -> set[str]:
+        return {lease.client for lease in self._leases.values()}
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _new_lease(
+        self, client: str, kind: Literal["store", "load"], entries: list[Entry], deadline: float
+    ) -> int:
+        lease = Lease(next(self._lease_ids), client, kind, entries, deadline)
+        self._leases[lease.id] = lease
+        return lease.id
+
+    def _release(self, lease: Lease) -> None:
+        for entry in lease.entries:
+            entry.pins -= 1
+            if lease.kind == "store":
+                # An unfinished write is worthless: its slot goes straight back.
+                self._by_ns[entry.id[0]].pop(entry.id[1], None)
+                self._free.append(entry.slot)
+
+    def _evictable(self, chunk: object) -> bool:
+        ns, key = chunk  # type: ignore[misc]
+        entry = self._by_ns[ns][key]
+        return entry.pins == 0
+
+    def _take_slot(self, incoming: ChunkKey) -> int | None:
+        if self._free:
+            return self._free.pop()
+        victim = self.policy.evict(self._evictable, incoming)
+        if victim is None:
+            return None
+        ns, key = victim  # type: ignore[misc]
+        entry = self._by_ns[ns][key]
+        self._forget(entry)
+        self.counters.evictions += 1
+        return entry.slot
+
+    def _forget(self, entry: Entry) -> None:
+        ns, key = entry.id
+        del self._by_ns[ns][key]
+        self.counters.namespaces[ns] -= 1
+        if not self.counters.namespaces[ns]:
+            del self.counters.namespaces[ns]

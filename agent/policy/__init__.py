@@ -1,0 +1,19 @@
+"""Eviction policies for the host tier, one per file, chosen by name in the config."""
+
+from __future__ import annotations
+
+from kvtier.agent.policy.arc import ARCPolicy
+from kvtier.agent.policy.base import ChunkId, EvictionPolicy
+from kvtier.agent.policy.lru import LRUPolicy
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    try:
+        return POLICIES[name](capacity)
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; use one of {sorted(POLICIES)}") from None
+
+
+__all__ = ["POLICIES", "ARCPolicy", "ChunkId", "EvictionPolicy", "LRUPolicy", "make_policy"]

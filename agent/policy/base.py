@@ -1,0 +1,47 @@
+"""The eviction-policy interface the host index drives.
+
+A policy only orders resident chunks; the index decides what is resident and what may be
+evicted (a chunk under a lease may not), so policies stay small and testable on their own.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
+from typing import Any
+
+ChunkId = Hashable
+
+
+class EvictionPolicy(ABC):
+    name: str
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    @abstractmethod
+    def on_insert(self, chunk: ChunkId) -> None:
+        """A chunk became resident."""
+
+    @abstractmethod
+    def on_hit(self, chunk: ChunkId) -> None:
+        """A resident chunk was asked for."""
+
+    @abstractmethod
+    def on_remove(self, chunk: ChunkId) -> None:
+        """A resident chunk left for a reason of its own (corrupt, deleted), not eviction."""
+
+    @abstractmethod
+    def evict(
+        self, evictable: Callable[[ChunkId], bool], incoming: ChunkId | None = None
+    ) -> ChunkId | None:
+        """Choose a resident chunk for which `evictable` holds, forget it as resident and
+        return it; None when every resident chunk is pinned."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of resident chunks."""
+
+    def describe(self) -> dict[str, Any]:
+        """Policy state for stats and metrics."""
+        return {"policy": self.name, "resident": len(self)}

@@ -1,0 +1,129 @@
+"""The shared-memory pool file: its geometry, its superblock and views of its slots.
+
+Agent and clients map the same file, so the layout here is a contract between processes
+(and between agent versions across a warm restart). Slot payloads are page-aligned so copies
+run at memcpy speed; each slot's first page holds its chunk header (see `chunk.py`).
+This module imports only the standard library and numpy: the vLLM plug-in uses it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+PAGE = 4096
+SUPERBLOCK_BYTES = PAGE
+SLOT_HEADER_BYTES = PAGE
+POOL_MAGIC = b"KVTPOOL1"
+POOL_VERSION = 1
+_SUPERBLOCK = struct.Struct("<8sIIQQ")  # magic, version, header bytes, payload bytes, slots
+
+
+def slot_payload_bytes(chunk_bytes: int) -> int:
+    return -(-chunk_bytes // PAGE) * PAGE
+
+
+def pool_slot_count(capacity: int, chunk_bytes: int) -> int:
+    stride = SLOT_HEADER_BYTES + slot_payload_bytes(chunk_bytes)
+    return max(0, (capacity - SUPERBLOCK_BYTES) // stride)
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    payload_bytes: int
+    slot_count: int
+
+    @property
+    def stride(self) -> int:
+        return SLOT_HEADER_BYTES + self.payload_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        return SUPERBLOCK_BYTES + self.slot_count * self.stride
+
+    def header_offset(self, slot: int) -> int:
+        return SUPERBLOCK_BYTES + slot * self.stride
+
+    def payload_offset(self, slot: int) -> int:
+        return self.header_offset(slot) + SLOT_HEADER_BYTES
+
+    def pack(self) -> bytes:
+        return _SUPERBLOCK.pack(
+            POOL_MAGIC, POOL_VERSION, SLOT_HEADER_BYTES, self.payload_bytes, self.slot_count
+        )
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> PoolGeometry | None:
+        magic, version, header, payload, slots = _SUPERBLOCK.unpack_from(raw)
+        if magic != POOL_MAGIC or version != POOL_VERSION or header != SLOT_HEADER_BYTES:
+            return None
+        return cls(payload_bytes=payload, slot_count=slots)
+
+
+class PoolMap:
+    """A shared mapping of the pool file with numpy views of its slots.
+
+    `populate` maps every page up front (MAP_POPULATE): a multi-MiB copy into a freshly
+    mapped region otherwise spends as long in page faults as in copying.
+    """
+
+    def __init__(self, path: Path, geometry: PoolGeometry, populate: bool = True) -> None:
+        self.path = path
+        self.geometry = geometry
+        fd = os.open(path, os.O_RDWR)
+        try:
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            self._mmap = mmap.mmap(fd, geometry.file_bytes, flags=flags)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    @classmethod
+    def open(cls, path: Path, populate: bool = True) -> PoolMap:
+        """Map an existing pool, reading its geometry from the superblock (client side)."""
+        with open(path, "rb") as f:
+            geometry = PoolGeometry.unpack(f.read(_SUPERBLOCK.size))
+        if geometry is None:
+            raise ValueError(f"{path} is not a kvtier pool of format {POOL_VERSION}")
+        return cls(path, geometry, populate)
+
+    def payload(self, slot: int, nbytes: int | None = None) -> np.ndarray:
+        start = self.geometry.payload_offset(slot)
+        n = self.geometry.payload_bytes if nbytes is None else nbytes
+        return self.array[start : start + n]
+
+    def header(self, slot: int) -> np.ndarray:
+        start = self.geometry.header_offset(slot)
+        return self.array[start : start + SLOT_HEADER_BYTES]
+
+    def close(self) -> None:
+        del self.array
+        try:
+            self._mmap.close()
+        except BufferError:
+            # A caller still holds a view; the mapping goes away with the last view.
+            pass
+
+
+def create_or_reuse(path: Path, geometry: PoolGeometry, populate: bool) -> tuple[PoolMap, bool]:
+    """Open the pool at `path` if it has this geometry (a warm restart), else create it anew.
+
+    Returns the map and whether an existing pool was reused.
+    """
+    reused = False
+    if path.exists():
+        with open(path, "rb") as f:
+            existing = PoolGeometry.unpack(f.read(_SUPERBLOCK.size).ljust(_SUPERBLOCK.size, b"\0"))
+        reused = existing == geometry and path.stat().st_size == geometry.file_bytes
+    if not reused:
+        tmp = path.with_name(path.name + ".new")
+        with open(tmp, "wb") as f:
+            f.truncate(geometry.file_bytes)
+            f.write(geometry.pack())
+        os.replace(tmp, path)
+    return PoolMap(path, geometry, populate), reused

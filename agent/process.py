@@ -1,0 +1,86 @@
+"""Running an agent as a child process: for the demo, the benchmarks and the tests, which
+all need a real agent in its own process rather than one sharing their interpreter."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+from kvtier.agent.client import AgentClient, AgentUnavailable
+from kvtier.agent.config import AgentConfig
+
+
+class AgentProcess:
+    def __init__(self, config: AgentConfig, log_path: Path | None = None) -> None:
+        self.config = config
+        self.log_path = log_path or config.run_dir / "agent.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> AgentProcess:
+        self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.config.run_dir / "agent.yaml"
+        config_path.write_text(self.config.to_yaml())
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtier.agent", "--config", str(config_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"agent exited with {self.proc.returncode}:\n{self.log_path.read_text()[-2000:]}"
+                )
+            if self.config.socket_path.exists():
+                try:
+                    with AgentClient(self.config.endpoint, timeout=1.0) as client:
+                        client.stats()
+                    return
+                except AgentUnavailable:
+                    pass
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"agent not ready within {timeout}s; log: {self.log_path}")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL, as the OOM killer or a node drain would: no cleanup runs."""
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.proc = None
+        return code
+
+    def __enter__(self) -> AgentProcess:
+        return self.start()
+
+    def __exit__(
+        self, _t: type[BaseException] | None, _e: BaseException | None, _tb: TracebackType | None
+    ) -> None:
+        self.stop()

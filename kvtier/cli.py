@@ -1,0 +1,116 @@
+"""The `kvtier` command. Each subcommand parses its flags and hands over to the module that
+does the work, so importing the CLI stays cheap and `--help` never starts anything."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _agent(args: argparse.Namespace) -> int:
+    from kvtier.agent.config import ConfigError, check_runtime, load_config
+    from kvtier.agent.logs import setup_logging
+
+    try:
+        config = load_config(args.config)
+        if args.check:
+            check_runtime(config)
+            print(config.to_yaml(), end="")
+            return 0
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    setup_logging(config.log_level)
+    from kvtier.agent.server import run_agent
+
+    try:
+        run_agent(config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvtier.demo import DemoOptions, run_demo
+
+    return run_demo(
+        DemoOptions(
+            clients=args.clients,
+            conversations=args.conversations,
+            turns=args.turns,
+            policy=args.policy,
+            capacity=args.capacity,
+            as_json=args.json,
+        )
+    )
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvtier.bench.runner import run_benchmark
+
+    return run_benchmark(args.target, quick=args.quick, as_json=args.json, out=args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier",
+        description="A node-shared, tiered KV cache for vLLM on Kubernetes.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    agent = sub.add_parser(
+        "agent",
+        help="run the node agent",
+        description="Run the node agent: the node's shared host-memory KV tier. "
+        "Stops cleanly on SIGTERM; the pool stays for a warm restart.",
+    )
+    agent.add_argument("--config", required=True, type=Path, help="agent config YAML")
+    agent.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the config (and its directories), print it with defaults, and exit",
+    )
+    agent.set_defaults(func=_agent)
+
+    demo = sub.add_parser(
+        "demo",
+        help="run an agent against a synthetic multi-turn chat workload",
+        description="Start an agent and several client processes replaying multi-turn chats "
+        "with shared system prompts, then report hit rate, bytes moved, evictions and the "
+        "prefill tokens that cache hits avoided.",
+    )
+    demo.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
+    demo.add_argument(
+        "--conversations", type=int, default=3, help="conversations per client (default 3)"
+    )
+    demo.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
+    demo.add_argument("--policy", choices=["lru", "arc"], default="arc", help="eviction policy")
+    demo.add_argument("--capacity", default="40Mi", help="host pool capacity (default 40Mi)")
+    demo.add_argument("--json", action="store_true", help="print the report as JSON")
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser(
+        "bench",
+        help="measure throughput and latency against raw baselines",
+        description="Benchmarks report ratios against a baseline measured in the same run.",
+    )
+    bench.add_argument("target", choices=["host"], help="host: the client<->agent pool path")
+    bench.add_argument("--quick", action="store_true", help="short run (under a minute)")
+    bench.add_argument("--json", action="store_true", help="print the results as JSON")
+    bench.add_argument(
+        "--out", type=Path, default=None, help="write JSON here (default .scratch/bench/)"
+    )
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
