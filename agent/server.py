@@ -124,7 +124,12 @@ class Agent:
                 )
             case p.Stats():
                 return p.StatsReply(
-                    {**host.stats(), "clients": len(self.clients), "name": self.config.name}
+                    {
+                        **host.stats(),
+                        "clients": len(self.clients),
+                        "name": self.config.name,
+                        "metrics_port": self.metrics_port,
+                    }
                 )
         return p.Ack()
 

@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--conversations", type=int, default=3, help="conversations per client (default 3)"
     )
     demo.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
-    demo.add_argument("--policy", choices=["lru", "arc"], default="arc", help="eviction policy")
-    demo.add_argument("--capacity", default="40Mi", help="host pool capacity (default 40Mi)")
+    demo.add_argument("--policy", choices=["lru", "arc"], default="lru", help="eviction policy")
+    demo.add_argument("--capacity", default="24Mi", help="host pool capacity (default 24Mi)")
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.set_defaults(func=_demo)
 

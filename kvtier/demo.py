@@ -1,0 +1,202 @@
+"""`kvtier demo`: one agent, several client processes replaying multi-turn chats.
+
+Each client acts like an engine serving its share of conversations: per turn it looks up the
+prompt's chunks, loads the hit prefix from the node's pool (checking every byte), "prefills"
+the rest and stores the new chunks. The report shows what the shared host tier saved.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvtier.agent.client import AgentClient
+from kvtier.agent.config import AgentConfig, parse_config
+from kvtier.agent.process import AgentProcess
+from kvtier.agent.units import format_bytes
+from kvtier.workload import WorkloadShape, chunk_keys, conversation_turns, row_for
+
+NAMESPACE = "demo-model-fp16-c256"
+ROW_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    clients: int = 4
+    conversations: int = 3
+    turns: int = 6
+    policy: str = "lru"
+    capacity: str = "24Mi"
+    as_json: bool = False
+
+
+@dataclass
+class ClientReport:
+    client: int
+    turns: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    chunks_looked_up: int = 0
+    chunks_hit: int = 0
+    chunks_loaded: int = 0
+    chunks_stored: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    corrupt_loads: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class DemoReport:
+    clients: list[ClientReport] = field(default_factory=list)
+    agent: dict[str, Any] = field(default_factory=dict)
+
+    def total(self, name: str) -> int:
+        return sum(getattr(c, name) for c in self.clients)
+
+    def summary(self) -> dict[str, Any]:
+        looked = self.total("chunks_looked_up")
+        return {
+            "clients": len(self.clients),
+            "turns": self.total("turns"),
+            "hit_rate": self.total("chunks_hit") / looked if looked else 0.0,
+            "prompt_tokens": self.total("prompt_tokens"),
+            "prefill_tokens_avoided": self.total("cached_tokens"),
+            "bytes_stored": self.total("bytes_stored"),
+            "bytes_loaded": self.total("bytes_loaded"),
+            "evictions": self.agent.get("evictions", 0),
+            "corrupt_loads": self.total("corrupt_loads"),
+        }
+
+
+def replay(
+    index: int, endpoint: str, options: DemoOptions, events: mp.Queue[Any]
+) -> None:
+    """One engine's work; runs in its own process."""
+    shape = WorkloadShape()
+    report = ClientReport(client=index)
+    started = time.perf_counter()
+    with AgentClient(endpoint) as client:
+        buffers = [np.empty(ROW_BYTES, np.uint8) for _ in range(64)]
+        for turn in conversation_turns(shape, 1000 + index, options.conversations, options.turns):
+            keys = chunk_keys(turn.prompt, shape.chunk_tokens)
+            prefix = client.lookup(NAMESPACE, keys).prefix
+            while len(buffers) < prefix:
+                buffers.append(np.empty(ROW_BYTES, np.uint8))
+            loaded = client.load_into(NAMESPACE, keys[:prefix], buffers[:prefix])
+            usable = loaded.index(False) if False in loaded else prefix
+            for key, buf in zip(keys[:usable], buffers, strict=False):
+                if not np.array_equal(buf, row_for(key, ROW_BYTES)):
+                    report.corrupt_loads += 1
+            new = keys[usable:]
+            result = client.store(NAMESPACE, new, [row_for(k, ROW_BYTES) for k in new])
+            report.turns += 1
+            report.prompt_tokens += len(turn.prompt)
+            report.cached_tokens += usable * shape.chunk_tokens
+            report.chunks_looked_up += len(keys)
+            report.chunks_hit += prefix
+            report.chunks_loaded += usable
+            report.chunks_stored += result.stored
+            report.bytes_loaded += usable * ROW_BYTES
+            report.bytes_stored += result.stored * ROW_BYTES
+            events.put(("turn", index))
+    report.seconds = time.perf_counter() - started
+    events.put(("done", asdict(report)))
+
+
+def demo_config(scratch: Path, options: DemoOptions) -> AgentConfig:
+    return parse_config(
+        {
+            "name": "demo",
+            "runDir": str(scratch / "run"),
+            "host": {
+                "capacity": options.capacity,
+                "chunkBytes": ROW_BYTES,
+                "policy": options.policy,
+                "poolDir": str(scratch / "pool"),
+            },
+            "metrics": {"port": 0, "host": "127.0.0.1"},
+        }
+    )
+
+
+def run_workload(options: DemoOptions, console: Console) -> DemoReport:
+    scratch = Path(tempfile.mkdtemp(prefix="kvtier-demo-", dir="/dev/shm"))
+    config = demo_config(scratch, options)
+    report = DemoReport()
+    ctx = mp.get_context("spawn")
+    events: mp.Queue[Any] = ctx.Queue()
+    try:
+        with AgentProcess(config):
+            procs = [
+                ctx.Process(target=replay, args=(i, config.endpoint, options, events))
+                for i in range(options.clients)
+            ]
+            for proc in procs:
+                proc.start()
+            total = options.clients * options.conversations * options.turns
+            with Progress(console=console, transient=True, disable=options.as_json) as progress:
+                task = progress.add_task("replaying chats", total=total)
+                while len(report.clients) < options.clients:
+                    kind, payload = events.get(timeout=120)
+                    if kind == "turn":
+                        progress.advance(task)
+                    else:
+                        report.clients.append(ClientReport(**payload))
+            for proc in procs:
+                proc.join(timeout=30)
+            with AgentClient(config.endpoint) as client:
+                report.agent = client.stats()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report.clients.sort(key=lambda c: c.client)
+    return report
+
+
+def render(report: DemoReport, console: Console) -> None:
+    table = Table(title="kvtier demo: clients sharing one node agent")
+    for col in ("client", "turns", "hit rate", "prefill tokens avoided", "stored", "loaded"):
+        table.add_column(col, justify="right")
+    for c in report.clients:
+        rate = c.chunks_hit / c.chunks_looked_up if c.chunks_looked_up else 0.0
+        table.add_row(
+            str(c.client), str(c.turns), f"{rate:.1%}", f"{c.cached_tokens:,} / {c.prompt_tokens:,}",
+            format_bytes(c.bytes_stored), format_bytes(c.bytes_loaded),
+        )
+    s = report.summary()
+    table.add_section()
+    table.add_row(
+        "all", str(s["turns"]), f"{s['hit_rate']:.1%}",
+        f"{s['prefill_tokens_avoided']:,} / {s['prompt_tokens']:,}",
+        format_bytes(s["bytes_stored"]), format_bytes(s["bytes_loaded"]),
+    )
+    console.print(table)
+    a = report.agent
+    console.print(
+        f"host tier: {a['chunks']} chunks in {a['slots']} slots "
+        f"({format_bytes(a['used_bytes'])} of {format_bytes(a['capacity_bytes'])}), "
+        f"policy {a['policy']}, {a['evictions']} evictions, "
+        f"{s['corrupt_loads']} corrupt loads"
+    )
+
+
+def run_demo(options: DemoOptions) -> int:
+    console = Console(stderr=options.as_json)
+    report = run_workload(options, console)
+    if options.as_json:
+        print(json.dumps({"summary": report.summary(), "clients": [asdict(c) for c in report.clients],
+                          "agent": report.agent}, indent=2))
+    else:
+        render(report, console)
+    return 1 if report.summary()["corrupt_loads"] else 0

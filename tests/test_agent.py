@@ -1,0 +1,238 @@
+"""A real agent process and real client processes over the ipc socket and shared pool."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.agent.chunk import ChunkHeader
+from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
+from kvtier.agent.config import AgentConfig
+from kvtier.agent.pool import PoolMap
+from kvtier.agent.process import AgentProcess
+from tests.conftest import ROW
+from tests.helpers import NS, hold_leases, key, row, store_and_verify, wait_settled
+
+StartAgent = Callable[[AgentConfig], AgentProcess]
+
+
+def test_store_lookup_load_roundtrip(agent: AgentProcess) -> None:
+    with AgentClient(agent.config.endpoint) as client:
+        keys = [key(i) for i in range(10)]
+        assert client.store(NS, keys[:6], [row(i, ROW) for i in range(6)]).stored == 6
+        result = client.store(NS, keys[4:8], [row(i, ROW) for i in range(4, 8)])
+        assert (result.stored, result.skipped) == (2, 2)
+        lookup = client.lookup(NS, keys)
+        assert lookup.hits == [True] * 8 + [False] * 2 and lookup.prefix == 8
+        assert client.lookup("another-fingerprint", keys).prefix == 0
+        outs = [np.zeros(ROW, np.uint8) for _ in keys]
+        assert client.load_into(NS, keys, outs) == [True] * 8 + [False] * 2
+        for i in range(8):
+            assert np.array_equal(outs[i], row(i, ROW))
+        assert not outs[8].any()
+        stats = wait_settled(client)
+        assert stats["chunks"] == 8 and stats["namespaces"] == {NS: 8}
+
+
+def test_four_client_processes_store_and_load_concurrently(agent: AgentProcess) -> None:
+    """Overlapping key sets race on the same keys; every process then reads every chunk."""
+    ctx = mp.get_context("spawn")
+    workers = 4
+    barrier, results = ctx.Barrier(workers), ctx.Queue()
+    key_sets = [list(range(w * 12, w * 12 + 24)) for w in range(workers)]
+    all_keys = sorted({k for ks in key_sets for k in ks})
+    procs = [
+        ctx.Process(
+            target=store_and_verify,
+            args=(agent.config.endpoint, w, key_sets[w], all_keys, ROW, barrier, results),
+        )
+        for w in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    outcome = [results.get(timeout=90) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert sum(stored for _, stored, _, _ in outcome) == len(all_keys)  # each key written once
+    for _worker, _stored, loaded, exact in outcome:
+        assert loaded == exact == len(all_keys)
+
+
+def test_agent_killed_and_restarted_serves_same_chunks(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent
+) -> None:
+    config = make_config()
+    first = agent_factory(config)
+    with AgentClient(config.endpoint) as client:
+        client.store(NS, [key(i) for i in range(20)], [row(i, ROW) for i in range(20)])
+        wait_settled(client)
+    first.kill()
+
+    agent_factory(config)
+    with AgentClient(config.endpoint) as client:
+        keys = [key(i) for i in range(20)]
+        assert client.lookup(NS, keys).prefix == 20
+        outs = [np.zeros(ROW, np.uint8) for _ in keys]
+        assert all(client.load_into(NS, keys, outs))
+        assert all(np.array_equal(outs[i], row(i, ROW)) for i in range(20))
+        assert client.stats()["corrupt"] == 0
+
+
+def find_slot(pool_path: Path, wanted: bytes) -> int:
+    pool = PoolMap.open(pool_path, populate=False)
+    try:
+        for slot in range(pool.geometry.slot_count):
+            header = ChunkHeader.unpack(memoryview(pool.header(slot)))
+            if header is not None and header.key == wanted:
+                return slot
+    finally:
+        pool.close()
+    raise LookupError(wanted)
+
+
+def test_corrupted_slot_is_never_served(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent
+) -> None:
+    config = make_config()
+    first = agent_factory(config)
+    with AgentClient(config.endpoint) as client:
+        client.store(NS, [key(i) for i in range(5)], [row(i, ROW) for i in range(5)])
+        wait_settled(client)
+    first.kill()
+
+    pool = PoolMap.open(config.pool_path, populate=False)
+    pool.payload(find_slot(config.pool_path, key(2)))[ROW // 2] ^= 0xFF  # one flipped byte
+    pool.header(find_slot(config.pool_path, key(4)))[:4] = 0  # a torn header
+    pool.close()
+
+    agent = agent_factory(config)
+    with AgentClient(config.endpoint) as client:
+        keys = [key(i) for i in range(5)]
+        assert client.lookup(NS, keys).hits == [True, True, False, True, False]
+        outs = [np.zeros(ROW, np.uint8) for _ in keys]
+        assert client.load_into(NS, keys, outs) == [True, True, False, True, False]
+        assert not outs[2].any()
+        stats = client.stats()
+        assert stats["corrupt"] == 1 and stats["chunks"] == 3
+        metrics = scrape(stats["metrics_port"])
+    assert metrics['kvtier_corrupt_chunks_total{tier="host"}'] == 1
+    assert agent.proc is not None
+
+
+def test_killed_client_does_not_leak_leases(agent: AgentProcess) -> None:
+    endpoint = agent.config.endpoint
+    with AgentClient(endpoint) as client:
+        client.store(NS, [key(0), key(1)], [row(0, ROW), row(1, ROW)])
+        wait_settled(client)
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        holder = ctx.Process(target=hold_leases, args=(endpoint, ROW, ready))
+        holder.start()
+        assert ready.wait(60)
+        stats = client.stats()
+        assert stats["leases"] == 2 and stats["pinned_slots"] == 4
+        holder.kill()
+        holder.join()
+        # Lease timeout is 30 s: only the lock-file liveness check can free these in time.
+        deadline = time.monotonic() + 5
+        while client.stats()["leases"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = client.stats()
+        assert stats["leases"] == 0 and stats["pinned_slots"] == 0
+        assert stats["leases_reclaimed"] == 2
+        assert client.lookup(NS, [key(1000)]).prefix == 0  # the half-written store is gone
+        # Every slot can be used again: fill the whole pool without a FULL answer.
+        n = stats["slots"]
+        result = client.store(NS, [key(i) for i in range(2000, 2000 + n)],
+                              [row(i, ROW) for i in range(n)])
+        assert result.stored == n
+
+
+def test_expired_lease_is_released(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent
+) -> None:
+    config = make_config({"leaseTimeoutSeconds": 0.3})
+    agent_factory(config)
+    with AgentClient(config.endpoint) as client:
+        client.store(NS, [key(0)], [row(0, ROW)])
+        wait_settled(client)
+        grant = client.begin_load(NS, [key(0)])
+        assert grant.lease and client.stats()["leases"] == 1
+        time.sleep(0.6)
+        stats = client.stats()
+        assert stats["leases"] == 0 and stats["leases_expired"] == 1
+        client.end_load(grant.lease)  # ending a lease the agent already released is harmless
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Samples of the agent's /metrics page, keyed like `name{label="v"}`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def test_metrics_endpoint(agent: AgentProcess) -> None:
+    with AgentClient(agent.config.endpoint) as client:
+        client.store(NS, [key(i) for i in range(3)], [row(i, ROW) for i in range(3)])
+        client.lookup(NS, [key(0), key(1), key(99)])
+        client.load_into(NS, [key(0)], [np.zeros(ROW, np.uint8)])
+        port = client.stats()["metrics_port"]
+    m = scrape(port)
+    assert m['kvtier_hits_total{tier="host"}'] == 2
+    assert m["kvtier_misses_total"] == 1
+    assert m["kvtier_lookups_total"] == 3
+    assert m['kvtier_store_bytes_total{tier="host"}'] == 3 * ROW
+    assert m['kvtier_load_bytes_total{tier="host"}'] == ROW
+    assert m['kvtier_tier_capacity_bytes{tier="host"}'] == 64 * ROW
+    assert m['kvtier_tier_chunks{tier="host"}'] == 3
+    assert m['kvtier_request_seconds_count{op="lookup"}'] == 1
+
+
+def test_row_larger_than_slot_is_refused(agent: AgentProcess) -> None:
+    with AgentClient(agent.config.endpoint) as client, pytest.raises(AgentRefused, match="chunkBytes"):
+        client.store(NS, [key(0)], [np.zeros(ROW * 2, np.uint8)])
+
+
+def test_unreachable_agent_is_a_timely_error(scratch: Path) -> None:
+    client = AgentClient(f"ipc://{scratch}/nobody.sock", timeout=0.3)
+    started = time.monotonic()
+    with pytest.raises(AgentUnavailable):
+        client.connect()
+    assert time.monotonic() - started < 3
+    client.close()
+
+
+def test_client_reconnects_after_agent_restart(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent
+) -> None:
+    config = make_config()
+    first = agent_factory(config)
+    client = AgentClient(config.endpoint, timeout=0.5).connect()
+    client.store(NS, [key(0)], [row(0, ROW)])
+    wait_settled(client)
+    first.kill()
+    with pytest.raises(AgentUnavailable):
+        client.lookup(NS, [key(0)])
+    agent_factory(config)
+    client.connect()
+    assert client.lookup(NS, [key(0)]).prefix == 1
+    client.close()
+
+
+def test_stats_are_json_serialisable(agent: AgentProcess) -> None:
+    with AgentClient(agent.config.endpoint) as client:
+        assert json.loads(json.dumps(client.stats()))["slots"] == 64

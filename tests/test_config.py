@@ -1,0 +1,116 @@
+"""Every bad config is refused at start with a message naming the field and the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvtier.agent.config import ConfigError, check_runtime, load_config, parse_config
+from kvtier.agent.units import parse_bytes
+from tests.conftest import config_data
+
+
+def refuse(data: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("4Gi", 4 << 30), ("512Mi", 512 << 20), ("1G", 10**9), (4096, 4096), ("1.5Ki", 1536)],
+)
+def test_quantities(text: str | int, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+def test_defaults_and_camel_case(scratch: Path) -> None:
+    config = parse_config(config_data(scratch))
+    assert config.host.policy == "lru"
+    assert config.socket_path == scratch / "run" / "agent.sock"
+    assert config.host.slot_count == 64
+    again = parse_config(yaml.safe_load(config.to_yaml()))
+    assert again == config
+
+
+@pytest.mark.parametrize("capacity", [-1, 0, "-4Gi"])
+def test_capacity_must_be_positive(scratch: Path, capacity: Any) -> None:
+    message = refuse(config_data(scratch, capacity=capacity))
+    assert "host.capacity must be positive" in message
+    assert "fix:" in message
+
+
+def test_zero_chunk_refused(scratch: Path) -> None:
+    assert "host.chunkBytes must be positive" in refuse(config_data(scratch, chunkBytes=0))
+
+
+def test_slot_larger_than_pool_refused(scratch: Path) -> None:
+    message = refuse(config_data(scratch, capacity="1Mi", chunkBytes="2Mi"))
+    assert "host.chunkBytes" in message and "host.capacity" in message
+    assert "raise host.capacity or lower host.chunkBytes" in message
+
+
+def test_unknown_policy_refused(scratch: Path) -> None:
+    message = refuse(config_data(scratch, policy="fifo"))
+    assert "host.policy" in message and "'fifo'" in message
+    assert "use one of: lru, arc" in message
+
+
+def test_unreadable_size_refused(scratch: Path) -> None:
+    message = refuse(config_data(scratch, capacity="lots"))
+    assert "host.capacity" in message and "quantity" in message
+
+
+def test_unknown_field_refused(scratch: Path) -> None:
+    data = config_data(scratch)
+    data["host"]["capacityy"] = "1Gi"
+    assert "host.capacityy: unknown field" in refuse(data)
+
+
+def test_missing_host_refused(scratch: Path) -> None:
+    data = config_data(scratch)
+    del data["host"]
+    assert "host: required field is missing" in refuse(data)
+
+
+def test_unwritable_pool_dir_refused(scratch: Path) -> None:
+    blocker = scratch / "a-file"
+    blocker.write_text("not a directory")
+    config = parse_config(config_data(scratch, poolDir=str(blocker / "pool")))
+    with pytest.raises(ConfigError) as info:
+        check_runtime(config)
+    assert "host.poolDir" in str(info.value) and "not a writable directory" in str(info.value)
+
+
+def test_unwritable_run_dir_refused(scratch: Path) -> None:
+    data = config_data(scratch)
+    data["runDir"] = "/proc/kvtier-run"
+    with pytest.raises(ConfigError) as info:
+        check_runtime(parse_config(data))
+    assert "runDir" in str(info.value)
+
+
+def test_not_yaml_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="YAML mapping"):
+        load_config(path)
+
+
+def test_agent_refuses_bad_config_at_start(scratch: Path) -> None:
+    """The agent process itself exits non-zero with the field named, and creates nothing."""
+    data = config_data(scratch, capacity=0)
+    path = scratch / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.agent", "--config", str(path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "host.capacity must be positive" in proc.stderr
+    assert not (scratch / "pool").exists()
