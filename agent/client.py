@@ -128,17 +128,17 @@ class AgentClient:
         return Grant(reply.lease, reply.slots)
 
     def commit(self, lease: int) -> None:
-        self._call(p.Commit(lease), p.Ack)
+        self._send(p.Commit(lease))
 
     def abort(self, lease: int) -> None:
-        self._call(p.Abort(lease), p.Ack)
+        self._send(p.Abort(lease))
 
     def begin_load(self, namespace: str, keys: Sequence[bytes]) -> Grant:
         reply = self._call(p.BeginLoad(self.client_id, namespace, list(keys)), p.LeaseReply)
         return Grant(reply.lease, reply.slots)
 
     def end_load(self, lease: int) -> None:
-        self._call(p.EndLoad(lease), p.Ack)
+        self._send(p.EndLoad(lease))
 
     def stats(self) -> dict[str, Any]:
         return self._call(p.Stats(), p.StatsReply).stats
@@ -200,6 +200,14 @@ class AgentClient:
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock
+
+    def _send(self, request: p.Request) -> None:
+        """Send a one-way request. If the agent is gone it is dropped: the agent releases the
+        lease by itself (timeout or dead client), so nothing waits on it."""
+        try:
+            self._socket().send_multipart([p.ONE_WAY, p.encode(request)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def _call(self, request: p.Request, expect: type[Any]) -> Any:
         sock = self._socket()

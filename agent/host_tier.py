@@ -47,8 +47,12 @@ class HostTier:
         self._seal_queue: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
         self._sealer = threading.Thread(target=self._seal_loop, name="kvtier-sealer", daemon=True)
         self._sealer.start()
-        metrics.capacity_bytes.labels(TIER).set(geometry.slot_count * geometry.payload_bytes)
-        self._update_gauges()
+        self._hits = metrics.hits.labels(TIER)
+        self._evictions = metrics.evictions.labels(TIER)
+        self._store_bytes = metrics.store_bytes.labels(TIER)
+        self._load_bytes = metrics.load_bytes.labels(TIER)
+        self._skipped = {code: metrics.store_skipped.labels(r) for code, r in _SKIP_REASONS.items()}
+        self._bind_gauges()
 
     @property
     def geometry(self) -> PoolGeometry:
@@ -61,7 +65,7 @@ class HostTier:
             hits, prefix = self.index.lookup(namespace, keys)
         n_hits = sum(hits)
         self.metrics.lookups.inc(len(keys))
-        self.metrics.hits.labels(TIER).inc(n_hits)
+        self._hits.inc(n_hits)
         self.metrics.misses.inc(len(keys) - n_hits)
         return hits, prefix
 
@@ -84,9 +88,9 @@ class HostTier:
                     self._write_header(slot, ChunkHeader(namespace, b"", 0, 0, SlotState.WRITING))
         for slot in slots:
             if slot < 0:
-                self.metrics.store_skipped.labels(_SKIP_REASONS[slot]).inc()
-        self.metrics.evictions.labels(TIER).inc(evicted)
-        self._update_gauges()
+                self._skipped[slot].inc()
+        if evicted:
+            self._evictions.inc(evicted)
         return lease, slots
 
     def commit(self, lease: int) -> None:
@@ -100,13 +104,11 @@ class HostTier:
                 self.index.pin(entry)
         for entry in entries:
             self._seal_queue.put(entry)
-        self.metrics.store_bytes.labels(TIER).inc(sum(e.length for e in entries))
-        self._update_gauges()
+        self._store_bytes.inc(sum(e.length for e in entries))
 
     def abort(self, lease: int) -> None:
         with self.lock:
             self.index.abort(lease)
-        self._update_gauges()
 
     def begin_load(self, client: str, namespace: str, keys: list[bytes]) -> tuple[int, list[int]]:
         with self.lock:
@@ -114,7 +116,7 @@ class HostTier:
                 client, namespace, keys, time.monotonic() + self.lease_seconds
             )
             nbytes = self.index.lease_bytes(lease)
-        self.metrics.load_bytes.labels(TIER).inc(nbytes)
+        self._load_bytes.inc(nbytes)
         return lease, slots
 
     def end_load(self, lease: int) -> None:
@@ -132,8 +134,6 @@ class HostTier:
         if reclaimed:
             self.metrics.leases_reclaimed.labels("client_gone").inc(len(reclaimed))
             log.warning("released %d leases of %d dead clients", len(reclaimed), len(dead_clients))
-        if expired or reclaimed:
-            self._update_gauges()
         return len(expired) + len(reclaimed)
 
     def stats(self) -> dict[str, Any]:
@@ -199,9 +199,11 @@ class HostTier:
             self.index.chunks, self.corrupt, time.monotonic() - started,
         )
 
-    def _update_gauges(self) -> None:
-        m = self.metrics
-        m.free_slots.set(self.index.free_slots)
-        m.leases.set(self.index.leases)
-        m.chunks.labels(TIER).set(self.index.chunks)
-        m.used_bytes.labels(TIER).set(self.index.chunks * self.geometry.payload_bytes)
+    def _bind_gauges(self) -> None:
+        """Gauges read the index when scraped, so requests never pay for them."""
+        m, g = self.metrics, self.geometry
+        m.capacity_bytes.labels(TIER).set(g.slot_count * g.payload_bytes)
+        m.free_slots.set_function(lambda: self.index.free_slots)
+        m.leases.set_function(lambda: self.index.leases)
+        m.chunks.labels(TIER).set_function(lambda: self.index.chunks)
+        m.used_bytes.labels(TIER).set_function(lambda: self.index.chunks * g.payload_bytes)

@@ -64,6 +64,8 @@ class HostIndex:
         self.slot_count = slot_count
         self.policy = policy
         self._by_ns: dict[str, dict[bytes, Entry]] = {}
+        # The READY subset of _by_ns, so a lookup is one membership test per key.
+        self._ready: dict[str, dict[bytes, Entry]] = {}
         self._free = list(range(slot_count - 1, -1, -1))
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
@@ -76,18 +78,13 @@ class HostIndex:
 
     def lookup(self, namespace: str, keys: list[bytes]) -> tuple[list[bool], int]:
         """Per-key hits and the length of the longest all-hit prefix."""
-        table = self._by_ns.get(namespace, {})
-        hits = []
-        on_hit = self.policy.on_hit
-        for key in keys:
-            entry = table.get(key)
-            hit = entry is not None and entry.state is EntryState.READY
-            if hit:
-                on_hit(entry.id)  # type: ignore[union-attr]
-            hits.append(hit)
-        prefix = hits.index(False) if False in hits else len(hits)
+        ready = self._ready.get(namespace, {})
+        hits = [k in ready for k in keys]
+        found = [ready[k].id for k, hit in zip(keys, hits, strict=True) if hit]
+        self.policy.on_hits(found)
+        prefix = hits.index(False) if len(found) < len(keys) else len(keys)
         self.counters.lookups += len(keys)
-        self.counters.hits += sum(hits)
+        self.counters.hits += len(found)
         return hits, prefix
 
     @property
@@ -144,8 +141,7 @@ class HostIndex:
         for entry in lease.entries:
             entry.state = EntryState.READY
             entry.pins -= 1
-            self.policy.on_insert(entry.id)
-            self.counters.namespaces[entry.id[0]] += 1
+            self._make_ready(entry)
         return lease.entries
 
     def abort(self, lease_id: int) -> None:
@@ -159,12 +155,12 @@ class HostIndex:
         self, client: str, namespace: str, keys: list[bytes], deadline: float
     ) -> tuple[int, list[int]]:
         """Pin the ready chunks among `keys` for reading; MISS for the others."""
-        table = self._by_ns.get(namespace, {})
+        ready = self._ready.get(namespace, {})
         slots: list[int] = []
         entries: list[Entry] = []
         for key in keys:
-            entry = table.get(key)
-            if entry is None or entry.state is not EntryState.READY:
+            entry = ready.get(key)
+            if entry is None:
                 slots.append(MISS)
                 continue
             entry.pins += 1
@@ -196,8 +192,7 @@ class HostIndex:
         self._free.remove(slot)
         entry = Entry(id=(namespace, key), slot=slot, length=length, state=EntryState.READY)
         self._by_ns.setdefault(namespace, {})[key] = entry
-        self.policy.on_insert(entry.id)
-        self.counters.namespaces[namespace] += 1
+        self._make_ready(entry)
         return entry
 
     def remove(self, entry: Entry) -> None:
@@ -262,9 +257,16 @@ class HostIndex:
         self.counters.evictions += 1
         return entry.slot
 
+    def _make_ready(self, entry: Entry) -> None:
+        ns, key = entry.id
+        self._ready.setdefault(ns, {})[key] = entry
+        self.policy.on_insert(entry.id)
+        self.counters.namespaces[ns] += 1
+
     def _forget(self, entry: Entry) -> None:
         ns, key = entry.id
         del self._by_ns[ns][key]
+        del self._ready[ns][key]
         self.counters.namespaces[ns] -= 1
         if not self.counters.namespaces[ns]:
             del self.counters.namespaces[ns]

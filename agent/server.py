@@ -64,7 +64,7 @@ class Agent:
         next_reap = time.monotonic() + cfg.reap_interval_seconds
         while not self.stopping.is_set():
             if poller.poll(interval_ms):
-                self._handle(self._sock.recv_multipart(copy=False))
+                self._handle(self._sock.recv_multipart())
             if time.monotonic() >= next_reap:
                 self.host.reclaim(time.monotonic(), self.clients.gone())
                 next_reap = time.monotonic() + cfg.reap_interval_seconds
@@ -76,19 +76,20 @@ class Agent:
         self.host.close()
         log.info("agent stopped")
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _handle(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
             return
         identity, rid, body = frames
         started = time.perf_counter()
         op = "invalid"
         try:
-            request = p.request_decoder.decode(body.buffer)
+            request = p.request_decoder.decode(body)
             op = type(request).__struct_config__.tag  # type: ignore[assignment]
             reply = self._dispatch(request)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             reply = p.ErrorReply(str(exc))
-        self._sock.send_multipart([identity, rid, p.encode(reply)], copy=False)
+        if rid != p.ONE_WAY:
+            self._sock.send_multipart([identity, rid, p.encode(reply)])
         self.metrics.request_seconds.labels(op).observe(time.perf_counter() - started)
 
     def _dispatch(self, request: p.Request) -> p.Reply:

@@ -27,6 +27,11 @@ class EvictionPolicy(ABC):
     def on_hit(self, chunk: ChunkId) -> None:
         """A resident chunk was asked for."""
 
+    def on_hits(self, chunks: list[ChunkId]) -> None:
+        """Several hits at once, in request order (a batched lookup)."""
+        for chunk in chunks:
+            self.on_hit(chunk)
+
     @abstractmethod
     def on_remove(self, chunk: ChunkId) -> None:
         """A resident chunk left for a reason of its own (corrupt, deleted), not eviction."""

@@ -23,6 +23,11 @@ class LRUPolicy(EvictionPolicy):
         if chunk in self._order:
             self._order.move_to_end(chunk)
 
+    def on_hits(self, chunks: list[ChunkId]) -> None:
+        move = self._order.move_to_end
+        for chunk in chunks:
+            move(chunk)
+
     def on_remove(self, chunk: ChunkId) -> None:
         self._order.pop(chunk, None)
 
