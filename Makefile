@@ -20,9 +20,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests
 
+# mypy must see the installed package layout (agent/ is kvtier.agent, ...): lay it out with
+# symlinks under .scratch and check the package from there.
+TYPECHECK := .scratch/typecheck
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy
+	$(VENV)/bin/ruff format --check .
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/kvtier
+	ln -s $(CURDIR)/kvtier/*.py $(TYPECHECK)/kvtier/
+	ln -s $(CURDIR)/agent $(TYPECHECK)/kvtier/agent
+	ln -s $(CURDIR)/bench $(TYPECHECK)/kvtier/bench
+	ln -s $(CURDIR)/operator $(TYPECHECK)/kvtier/operator
+	MYPYPATH=$(TYPECHECK) $(VENV)/bin/mypy -p kvtier
 
 bench: $(STAMP)
 	$(VENV)/bin/kvtier bench host

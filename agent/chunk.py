@@ -48,7 +48,12 @@ class ChunkHeader:
         if len(ns) > MAX_NAMESPACE_BYTES or len(self.key) > MAX_KEY_BYTES:
             raise ValueError("namespace or key too long for a chunk header")
         fixed = _FIXED.pack(
-            CHUNK_MAGIC, CHUNK_VERSION, self.state, self.length, self.checksum, len(ns),
+            CHUNK_MAGIC,
+            CHUNK_VERSION,
+            self.state,
+            self.length,
+            self.checksum,
+            len(ns),
             len(self.key),
         )
         return fixed + ns + self.key
@@ -68,8 +73,9 @@ class ChunkHeader:
             return None
         try:
             namespace = bytes(raw[_FIXED.size : _FIXED.size + ns_len]).decode()
-            return cls(namespace, bytes(raw[_FIXED.size + ns_len : end]), length, digest,
-                       SlotState(state))
+            return cls(
+                namespace, bytes(raw[_FIXED.size + ns_len : end]), length, digest, SlotState(state)
+            )
         except ValueError:
             return None
 

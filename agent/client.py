@@ -11,6 +11,7 @@ agent can never be taken for the answer to a later request.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import struct
@@ -25,7 +26,7 @@ import zmq
 
 from kvtier.agent import protocol as p
 from kvtier.agent.liveness import ClientLock
-from kvtier.agent.pool import PoolMap
+from kvtier.agent.pool import Bytes, PoolMap
 
 _RID = struct.Struct("<Q")
 
@@ -59,7 +60,7 @@ class StoreResult:
     skipped: int
 
 
-def _as_bytes(row: Any) -> np.ndarray:
+def _as_bytes(row: Any) -> Bytes:
     array = np.asarray(row)
     if not array.flags.c_contiguous:
         raise ValueError("rows must be C-contiguous to be copied into the pool")
@@ -74,7 +75,7 @@ class AgentClient:
         self.run_dir = Path(endpoint.removeprefix("ipc://")).parent
         self.timeout_ms = int(timeout * 1000)
         self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
         self._rids = itertools.count(1)
         self._lock: ClientLock | None = None
@@ -141,11 +142,12 @@ class AgentClient:
         self._send(p.EndLoad(lease))
 
     def stats(self) -> dict[str, Any]:
-        return self._call(p.Stats(), p.StatsReply).stats
+        reply: p.StatsReply = self._call(p.Stats(), p.StatsReply)
+        return dict(reply.stats)
 
     # --- whole operations ----------------------------------------------------------------
 
-    def slot(self, slot: int, nbytes: int | None = None) -> np.ndarray:
+    def slot(self, slot: int, nbytes: int | None = None) -> Bytes:
         """A writable uint8 view of a slot's payload in the shared pool."""
         assert self.pool is not None, "connect() first"
         return self.pool.payload(slot, nbytes)
@@ -204,10 +206,8 @@ class AgentClient:
     def _send(self, request: p.Request) -> None:
         """Send a one-way request. If the agent is gone it is dropped: the agent releases the
         lease by itself (timeout or dead client), so nothing waits on it."""
-        try:
+        with contextlib.suppress(zmq.Again):
             self._socket().send_multipart([p.ONE_WAY, p.encode(request)], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass
 
     def _call(self, request: p.Request, expect: type[Any]) -> Any:
         sock = self._socket()
@@ -225,4 +225,6 @@ class AgentClient:
             return reply
         sock.close(linger=0)
         self._sock = None
-        raise AgentUnavailable(f"agent at {self.endpoint} did not answer within {self.timeout_ms} ms")
+        raise AgentUnavailable(
+            f"agent at {self.endpoint} did not answer within {self.timeout_ms} ms"
+        )

@@ -165,7 +165,9 @@ def load_config(path: str | os.PathLike[str]) -> AgentConfig:
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise ConfigError([f"config file {path}: {exc.strerror}; fix: pass an existing file"])
+        raise ConfigError(
+            [f"config file {path}: {exc.strerror}; fix: pass an existing file"]
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -22,7 +22,7 @@ from kvtier.agent.config import HostTierConfig
 from kvtier.agent.index import BUSY, EXISTS, FULL, Entry, HostIndex
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
-from kvtier.agent.pool import PoolGeometry, PoolMap, create_or_reuse, slot_payload_bytes
+from kvtier.agent.pool import PoolGeometry, create_or_reuse, slot_payload_bytes
 
 log = logging.getLogger("kvtier.agent.host")
 
@@ -173,7 +173,7 @@ class HostTier:
     def _seal_loop(self) -> None:
         while (entry := self._seal_queue.get()) is not None:
             ns, key = entry.id
-            digest = checksum(memoryview(self.pool.payload(entry.slot, entry.length)))
+            digest = checksum(self.pool.payload(entry.slot, entry.length).data)
             with self.lock:
                 self._write_header(entry.slot, ChunkHeader(ns, key, entry.length, digest))
                 self.index.unpin(entry)
@@ -182,10 +182,10 @@ class HostTier:
         """Rebuild the index from the pool after a restart, serving only verified chunks."""
         started = time.monotonic()
         for slot in range(self.geometry.slot_count):
-            header = ChunkHeader.unpack(memoryview(self.pool.header(slot)))
+            header = ChunkHeader.unpack(self.pool.header(slot).data)
             if header is None or header.state != SlotState.SEALED:
                 continue
-            payload = memoryview(self.pool.payload(slot))
+            payload = self.pool.payload(slot).data
             if header.length > len(payload) or not header.verify(payload):
                 self.corrupt += 1
                 self.metrics.corrupt.labels(TIER).inc()
@@ -196,7 +196,9 @@ class HostTier:
                 self.index.adopt(header.namespace, header.key, slot, header.length)
         log.info(
             "re-indexed pool: %d chunks, %d corrupt, %.2fs",
-            self.index.chunks, self.corrupt, time.monotonic() - started,
+            self.index.chunks,
+            self.corrupt,
+            time.monotonic() - started,
         )
 
     def _bind_gauges(self) -> None:

@@ -11,9 +11,9 @@ import enum
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
-from kvtier.agent.policy import EvictionPolicy
+from kvtier.agent.policy import ChunkId, EvictionPolicy
 
 # Per-key answers of `allocate` that are not slot numbers.
 EXISTS = -1  # already held: the store is a duplicate and is skipped
@@ -240,10 +240,9 @@ class HostIndex:
                 self._by_ns[entry.id[0]].pop(entry.id[1], None)
                 self._free.append(entry.slot)
 
-    def _evictable(self, chunk: object) -> bool:
-        ns, key = chunk  # type: ignore[misc]
-        entry = self._by_ns[ns][key]
-        return entry.pins == 0
+    def _evictable(self, chunk: ChunkId) -> bool:
+        ns, key = cast(ChunkKey, chunk)
+        return self._by_ns[ns][key].pins == 0
 
     def _take_slot(self, incoming: ChunkKey) -> int | None:
         if self._free:
@@ -251,7 +250,7 @@ class HostIndex:
         victim = self.policy.evict(self._evictable, incoming)
         if victim is None:
             return None
-        ns, key = victim  # type: ignore[misc]
+        ns, key = cast(ChunkKey, victim)
         entry = self._by_ns[ns][key]
         self._forget(entry)
         self.counters.evictions += 1

@@ -8,6 +8,7 @@ This module imports only the standard library and numpy: the vLLM plug-in uses i
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -15,12 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 PAGE = 4096
 SUPERBLOCK_BYTES = PAGE
 SLOT_HEADER_BYTES = PAGE
 POOL_MAGIC = b"KVTPOOL1"
 POOL_VERSION = 1
+Bytes = npt.NDArray[np.uint8]
 _SUPERBLOCK = struct.Struct("<8sIIQQ")  # magic, version, header bytes, payload bytes, slots
 
 
@@ -92,22 +95,20 @@ class PoolMap:
             raise ValueError(f"{path} is not a kvtier pool of format {POOL_VERSION}")
         return cls(path, geometry, populate)
 
-    def payload(self, slot: int, nbytes: int | None = None) -> np.ndarray:
+    def payload(self, slot: int, nbytes: int | None = None) -> Bytes:
         start = self.geometry.payload_offset(slot)
         n = self.geometry.payload_bytes if nbytes is None else nbytes
         return self.array[start : start + n]
 
-    def header(self, slot: int) -> np.ndarray:
+    def header(self, slot: int) -> Bytes:
         start = self.geometry.header_offset(slot)
         return self.array[start : start + SLOT_HEADER_BYTES]
 
     def close(self) -> None:
         del self.array
-        try:
+        # A caller may still hold a view; the mapping then goes away with the last view.
+        with contextlib.suppress(BufferError):
             self._mmap.close()
-        except BufferError:
-            # A caller still holds a view; the mapping goes away with the last view.
-            pass
 
 
 def create_or_reuse(path: Path, geometry: PoolGeometry, populate: bool) -> tuple[PoolMap, bool]:

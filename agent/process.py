@@ -39,9 +39,8 @@ class AgentProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"agent exited with {self.proc.returncode}:\n{self.log_path.read_text()[-2000:]}"
-                )
+                tail = self.log_path.read_text()[-2000:]
+                raise RuntimeError(f"agent exited with {self.proc.returncode}:\n{tail}")
             if self.config.socket_path.exists():
                 try:
                     with AgentClient(self.config.endpoint, timeout=1.0) as client:

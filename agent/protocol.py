@@ -5,9 +5,9 @@ ipc socket as two frames: an 8-byte request id, so a client that timed out can t
 reply from the one it waits for, and the body. Requests whose outcome the client does not
 need (Commit, Abort, EndLoad) go one-way with the id ONE_WAY and get no reply: a store or a
 load then costs one round trip, and ZMQ's per-connection ordering still guarantees that the
-agent sees a commit before the same client's next request. Chunk bytes never travel here: both sides map
-the same pool file and the messages carry slot numbers. This module imports only msgspec,
-because the vLLM plug-in imports it.
+agent sees a commit before the same client's next request. Chunk bytes never travel here:
+both sides map the same pool file and the messages carry slot numbers. This module imports
+only msgspec, because the vLLM plug-in imports it.
 """
 
 from __future__ import annotations

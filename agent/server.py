@@ -37,7 +37,7 @@ class Agent:
         self.clients = ClientRegistry(config.run_dir / "clients")
         self.stopping = threading.Event()
         self.metrics_port: int | None = None
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         config.socket_path.unlink(missing_ok=True)
@@ -84,7 +84,7 @@ class Agent:
         op = "invalid"
         try:
             request = p.request_decoder.decode(body)
-            op = type(request).__struct_config__.tag  # type: ignore[assignment]
+            op = str(type(request).__struct_config__.tag)
             reply = self._dispatch(request)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             reply = p.ErrorReply(str(exc))

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvtier.agent.pool import Bytes
 
-def shared_buffer(nbytes: int) -> np.ndarray:
+
+def shared_buffer(nbytes: int) -> Bytes:
     """A populated shared anonymous mapping: what an engine's pinned host buffer looks like
     to the copy path (mapped, resident, no page faults on first touch)."""
     flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
@@ -23,7 +25,7 @@ def shared_buffer(nbytes: int) -> np.ndarray:
     return buf
 
 
-def tmpfs_buffer(nbytes: int) -> np.ndarray:
+def tmpfs_buffer(nbytes: int) -> Bytes:
     """A populated mapping of a file on /dev/shm, like the agent's pool."""
     fd, path = tempfile.mkstemp(prefix="kvtier-bench-", dir="/dev/shm")
     try:
@@ -71,7 +73,7 @@ def run_threads(workers: list[Callable[[], int]], duration: float) -> Throughput
 
 
 def memcpy_rows(
-    src: np.ndarray, dst: np.ndarray, row_bytes: int, rows: int, checksum: bool = False
+    src: Bytes, dst: Bytes, row_bytes: int, rows: int, checksum: bool = False
 ) -> Callable[[], int]:
     """A worker copying `rows` rows of `row_bytes` per call, one copy per row, between the
     two buffers. The larger buffer is walked round-robin, as a store walks pool slots, so
@@ -92,7 +94,7 @@ def memcpy_rows(
             else:
                 np.copyto(a, b)
             if checksum:
-                xxhash.xxh3_64_intdigest(memoryview(b if small is src else a))
+                xxhash.xxh3_64_intdigest((b if small is src else a).data)
         return rows * row_bytes
 
     return work

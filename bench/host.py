@@ -24,7 +24,7 @@ from rich.progress import Progress
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig, parse_config
-from kvtier.agent.pool import PAGE
+from kvtier.agent.pool import PAGE, Bytes
 from kvtier.agent.process import AgentProcess
 from kvtier.bench.baseline import memcpy_rows, run_threads, shared_buffer, tmpfs_buffer
 
@@ -55,8 +55,9 @@ def bench_agent(chunk_bytes: int, slots: int) -> Iterator[AgentConfig]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _store_worker(client: AgentClient, src: np.ndarray, row: int, rows: int,
-                  ids: Iterator[int]) -> Callable[[], int]:
+def _store_worker(
+    client: AgentClient, src: Bytes, row: int, rows: int, ids: Iterator[int]
+) -> Callable[[], int]:
     views = [src[r * row : (r + 1) * row] for r in range(rows)]
 
     def work() -> int:
@@ -66,8 +67,9 @@ def _store_worker(client: AgentClient, src: np.ndarray, row: int, rows: int,
     return work
 
 
-def _load_worker(client: AgentClient, dst: np.ndarray, row: int, rows: int,
-                 first: int) -> Callable[[], int]:
+def _load_worker(
+    client: AgentClient, dst: Bytes, row: int, rows: int, first: int
+) -> Callable[[], int]:
     views = [dst[r * row : (r + 1) * row] for r in range(rows)]
     keys = [b"k%012d" % (first + r) for r in range(rows)]
     client.store(NS, keys, views)
@@ -91,12 +93,14 @@ def copy_cases(row: int, threads: int, duration: float, rounds: int) -> list[dic
         for op in ("store", "load"):
             # Load workers store their rows when built, after the store phase's evictions.
             kv_workers = [
-                _store_worker(c, s, row, rows, ids) if op == "store"
+                _store_worker(c, s, row, rows, ids)
+                if op == "store"
                 else _load_worker(c, s, row, rows, 10**9 + i * rows)
                 for i, (c, s, _d) in enumerate(pairs)
             ]
             raw_workers = [
-                memcpy_rows(s, d, row, rows) if op == "store"
+                memcpy_rows(s, d, row, rows)
+                if op == "store"
                 else memcpy_rows(d[: rows * row], s, row, rows)
                 for _c, s, d in pairs
             ]
@@ -109,9 +113,14 @@ def copy_cases(row: int, threads: int, duration: float, rounds: int) -> list[dic
                 kv.append(run_threads(kv_workers, duration).gbps)
                 wait_sealed(clients[0])
             kv_gbps, raw_gbps = statistics.median(kv), statistics.median(raw)
-            case = {
-                "op": op, "row_bytes": row, "threads": threads, "rows_per_call": rows,
-                "kvtier_gbps": kv_gbps, "memcpy_gbps": raw_gbps, "ratio": kv_gbps / raw_gbps,
+            case: dict[str, Any] = {
+                "op": op,
+                "row_bytes": row,
+                "threads": threads,
+                "rows_per_call": rows,
+                "kvtier_gbps": kv_gbps,
+                "memcpy_gbps": raw_gbps,
+                "ratio": kv_gbps / raw_gbps,
             }
             if hashed:
                 case["memcpy_checksum_gbps"] = statistics.median(hashed)
@@ -159,7 +168,11 @@ def lookup_latency(batches: list[int], reps: dict[int, int]) -> dict[str, dict[s
 
 
 def run(quick: bool) -> dict[str, Any]:
-    sizes = [256 * KiB, 1 * MiB, 32 * MiB] if quick else [256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 32 * MiB]
+    sizes = (
+        [256 * KiB, 1 * MiB, 32 * MiB]
+        if quick
+        else [256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 32 * MiB]
+    )
     thread_counts = [1, 2]
     duration, rounds = (0.25, 2) if quick else (0.6, 3)
     cases: list[dict[str, Any]] = []
@@ -169,12 +182,16 @@ def run(quick: bool) -> dict[str, Any]:
             for threads in thread_counts:
                 cases.extend(copy_cases(row, threads, duration, rounds))
                 progress.advance(task)
-        lookup = lookup_latency([1024, 32768], {1024: 100 if quick else 400, 32768: 10 if quick else 40})
+        lookup = lookup_latency(
+            [1024, 32768], {1024: 100 if quick else 400, 32768: 10 if quick else 40}
+        )
         progress.advance(task)
 
     def worst(op: str, field: str = "ratio") -> float:
         return min(
-            c[field] for c in cases if c["op"] == op and c["threads"] == 1 and c["row_bytes"] >= MiB
+            float(c[field])
+            for c in cases
+            if c["op"] == op and c["threads"] == 1 and c["row_bytes"] >= MiB
         )
 
     return {

@@ -80,9 +80,7 @@ class DemoReport:
         }
 
 
-def replay(
-    index: int, endpoint: str, options: DemoOptions, events: mp.Queue[Any]
-) -> None:
+def replay(index: int, endpoint: str, options: DemoOptions, events: mp.Queue[Any]) -> None:
     """One engine's work; runs in its own process."""
     shape = WorkloadShape()
     report = ClientReport(client=index)
@@ -171,15 +169,22 @@ def render(report: DemoReport, console: Console) -> None:
     for c in report.clients:
         rate = c.chunks_hit / c.chunks_looked_up if c.chunks_looked_up else 0.0
         table.add_row(
-            str(c.client), str(c.turns), f"{rate:.1%}", f"{c.cached_tokens:,} / {c.prompt_tokens:,}",
-            format_bytes(c.bytes_stored), format_bytes(c.bytes_loaded),
+            str(c.client),
+            str(c.turns),
+            f"{rate:.1%}",
+            f"{c.cached_tokens:,} / {c.prompt_tokens:,}",
+            format_bytes(c.bytes_stored),
+            format_bytes(c.bytes_loaded),
         )
     s = report.summary()
     table.add_section()
     table.add_row(
-        "all", str(s["turns"]), f"{s['hit_rate']:.1%}",
+        "all",
+        str(s["turns"]),
+        f"{s['hit_rate']:.1%}",
         f"{s['prefill_tokens_avoided']:,} / {s['prompt_tokens']:,}",
-        format_bytes(s["bytes_stored"]), format_bytes(s["bytes_loaded"]),
+        format_bytes(s["bytes_stored"]),
+        format_bytes(s["bytes_loaded"]),
     )
     console.print(table)
     a = report.agent
@@ -195,8 +200,16 @@ def run_demo(options: DemoOptions) -> int:
     console = Console(stderr=options.as_json)
     report = run_workload(options, console)
     if options.as_json:
-        print(json.dumps({"summary": report.summary(), "clients": [asdict(c) for c in report.clients],
-                          "agent": report.agent}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "summary": report.summary(),
+                    "clients": [asdict(c) for c in report.clients],
+                    "agent": report.agent,
+                },
+                indent=2,
+            )
+        )
     else:
         render(report, console)
     return 1 if report.summary()["corrupt_loads"] else 0

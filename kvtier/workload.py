@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier.agent.pool import Bytes
+
 ROOT_KEY = b"\0" * 16
 
 
@@ -40,7 +42,7 @@ def chunk_keys(tokens: list[int], chunk_tokens: int) -> list[bytes]:
     return keys
 
 
-def row_for(key: bytes, nbytes: int) -> np.ndarray:
+def row_for(key: bytes, nbytes: int) -> Bytes:
     """The row a chunk holds: its key repeated, so a load can be verified without a copy of
     everything ever stored."""
     pattern = np.frombuffer(key, dtype=np.uint8)
@@ -67,7 +69,9 @@ def conversation_turns(
     histories = [list(systems[rng.randrange(len(systems))]) for _ in range(conversations)]
     for turn in range(turns):
         for conv, history in enumerate(histories):
-            history.extend(rng.randrange(shape.vocab) for _ in range(rng.randint(*shape.user_tokens)))
+            history.extend(
+                rng.randrange(shape.vocab) for _ in range(rng.randint(*shape.user_tokens))
+            )
             yield Turn(conv, turn, list(history))
             history.extend(
                 rng.randrange(shape.vocab) for _ in range(rng.randint(*shape.reply_tokens))

@@ -28,8 +28,13 @@ def config_data(scratch: Path, **host: Any) -> dict[str, Any]:
     return {
         "name": "test",
         "runDir": str(scratch / "run"),
-        "host": {"capacity": 64 * (ROW + 4096) + 4096, "chunkBytes": ROW,
-                 "poolDir": str(scratch / "pool"), "policy": "lru", **host},
+        "host": {
+            "capacity": 64 * (ROW + 4096) + 4096,
+            "chunkBytes": ROW,
+            "poolDir": str(scratch / "pool"),
+            "policy": "lru",
+            **host,
+        },
         "metrics": {"port": 0, "host": "127.0.0.1"},
         "leaseTimeoutSeconds": 30,
         "reapIntervalSeconds": 0.1,
@@ -59,6 +64,7 @@ def agent_factory() -> Iterator[Callable[[AgentConfig], AgentProcess]]:
 
 
 @pytest.fixture
-def agent(make_config: Callable[..., AgentConfig],
-          agent_factory: Callable[[AgentConfig], AgentProcess]) -> AgentProcess:
+def agent(
+    make_config: Callable[..., AgentConfig], agent_factory: Callable[[AgentConfig], AgentProcess]
+) -> AgentProcess:
     return agent_factory(make_config())

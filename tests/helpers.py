@@ -34,8 +34,13 @@ def wait_settled(client: AgentClient, timeout: float = 10.0) -> dict[str, Any]:
 
 
 def store_and_verify(
-    endpoint: str, worker: int, keys: list[int], all_keys: list[int], nbytes: int,
-    barrier: Any, results: Any,
+    endpoint: str,
+    worker: int,
+    keys: list[int],
+    all_keys: list[int],
+    nbytes: int,
+    barrier: Any,
+    results: Any,
 ) -> None:
     with AgentClient(endpoint) as client:
         stored = client.store(NS, [key(i) for i in keys], [row(i, nbytes) for i in keys])

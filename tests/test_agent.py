@@ -152,8 +152,9 @@ def test_killed_client_does_not_leak_leases(agent: AgentProcess) -> None:
         assert client.lookup(NS, [key(1000)]).prefix == 0  # the half-written store is gone
         # Every slot can be used again: fill the whole pool without a FULL answer.
         n = stats["slots"]
-        result = client.store(NS, [key(i) for i in range(2000, 2000 + n)],
-                              [row(i, ROW) for i in range(n)])
+        result = client.store(
+            NS, [key(i) for i in range(2000, 2000 + n)], [row(i, ROW) for i in range(n)]
+        )
         assert result.stored == n
 
 
@@ -203,7 +204,10 @@ def test_metrics_endpoint(agent: AgentProcess) -> None:
 
 
 def test_row_larger_than_slot_is_refused(agent: AgentProcess) -> None:
-    with AgentClient(agent.config.endpoint) as client, pytest.raises(AgentRefused, match="chunkBytes"):
+    with (
+        AgentClient(agent.config.endpoint) as client,
+        pytest.raises(AgentRefused, match="chunkBytes"),
+    ):
         client.store(NS, [key(0)], [np.zeros(ROW * 2, np.uint8)])
 
 

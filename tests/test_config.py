@@ -109,7 +109,9 @@ def test_agent_refuses_bad_config_at_start(scratch: Path) -> None:
     path.write_text(yaml.safe_dump(data))
     proc = subprocess.run(
         [sys.executable, "-m", "kvtier.agent", "--config", str(path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert "host.capacity must be positive" in proc.stderr

@@ -13,7 +13,9 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
     try:
         return POLICIES[name](capacity)
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; use one of {sorted(POLICIES)}") from None
+        raise ValueError(
+            f"unknown eviction policy {name!r}; use one of {sorted(POLICIES)}"
+        ) from None
 
 
 __all__ = ["POLICIES", "ARCPolicy", "ChunkId", "EvictionPolicy", "LRUPolicy", "make_policy"]

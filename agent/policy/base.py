@@ -7,7 +7,7 @@ evicted (a chunk under a lease may not), so policies stay small and testable on 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 ChunkId = Hashable
@@ -27,7 +27,7 @@ class EvictionPolicy(ABC):
     def on_hit(self, chunk: ChunkId) -> None:
         """A resident chunk was asked for."""
 
-    def on_hits(self, chunks: list[ChunkId]) -> None:
+    def on_hits(self, chunks: Sequence[ChunkId]) -> None:
         """Several hits at once, in request order (a batched lookup)."""
         for chunk in chunks:
             self.on_hit(chunk)

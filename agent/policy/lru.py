@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvtier.agent.policy.base import ChunkId, EvictionPolicy
 
@@ -23,7 +23,7 @@ class LRUPolicy(EvictionPolicy):
         if chunk in self._order:
             self._order.move_to_end(chunk)
 
-    def on_hits(self, chunks: list[ChunkId]) -> None:
+    def on_hits(self, chunks: Sequence[ChunkId]) -> None:
         move = self._order.move_to_end
         for chunk in chunks:
             move(chunk)
