@@ -42,6 +42,7 @@ class HostTier:
         self.index = HostIndex(geometry.slot_count, make_policy(config.policy, geometry.slot_count))
         self.lock = threading.Lock()
         self.corrupt = 0
+        self._looked_up = self._found = 0
         if reused:
             self._reindex()
         self._seal_queue: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
@@ -63,11 +64,20 @@ class HostTier:
     def lookup(self, namespace: str, keys: list[bytes]) -> tuple[list[bool], int]:
         with self.lock:
             hits, prefix = self.index.lookup(namespace, keys)
-        n_hits = sum(hits)
-        self.metrics.lookups.inc(len(keys))
-        self._hits.inc(n_hits)
-        self.metrics.misses.inc(len(keys) - n_hits)
+        self._looked_up += len(keys)
+        self._found += sum(hits)
         return hits, prefix
+
+    def after_reply(self) -> None:
+        """Bookkeeping that need not delay an answer: the policy's view of recent hits and
+        the lookup counters. The server calls it after each reply, before the next request."""
+        with self.lock:
+            self.index.touch()
+        if self._looked_up:
+            self.metrics.lookups.inc(self._looked_up)
+            self._hits.inc(self._found)
+            self.metrics.misses.inc(self._looked_up - self._found)
+            self._looked_up = self._found = 0
 
     def allocate(
         self, client: str, namespace: str, keys: list[bytes], nbytes: int

@@ -69,6 +69,7 @@ class HostIndex:
         self._free = list(range(slot_count - 1, -1, -1))
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
+        self._pending_hits: list[tuple[str, list[bytes], list[bool]]] = []
         self.counters = IndexCounters()
 
     # --- queries -------------------------------------------------------------------------
@@ -77,15 +78,28 @@ class HostIndex:
         return self._by_ns.get(namespace, {}).get(key)
 
     def lookup(self, namespace: str, keys: list[bytes]) -> tuple[list[bool], int]:
-        """Per-key hits and the length of the longest all-hit prefix."""
+        """Per-key hits and the length of the longest all-hit prefix.
+
+        The policy learns of the hits only at `touch`, which the agent calls after it has
+        answered, so the eviction order's upkeep stays out of the lookup's latency.
+        """
         ready = self._ready.get(namespace, {})
         hits = [k in ready for k in keys]
-        found = [ready[k].id for k, hit in zip(keys, hits, strict=True) if hit]
-        self.policy.on_hits(found)
-        prefix = hits.index(False) if len(found) < len(keys) else len(keys)
+        n_hits = sum(hits)
+        if n_hits:
+            self._pending_hits.append((namespace, keys, hits))
         self.counters.lookups += len(keys)
-        self.counters.hits += len(found)
-        return hits, prefix
+        self.counters.hits += n_hits
+        return hits, hits.index(False) if n_hits < len(keys) else len(keys)
+
+    def touch(self) -> None:
+        """Tell the policy about the hits of lookups answered since the last call."""
+        for namespace, keys, hits in self._pending_hits:
+            ready = self._ready.get(namespace, {})
+            self.policy.on_hits(
+                [e.id for k, hit in zip(keys, hits, strict=True) if hit and (e := ready.get(k))]
+            )
+        self._pending_hits.clear()
 
     @property
     def chunks(self) -> int:
@@ -247,6 +261,8 @@ class HostIndex:
     def _take_slot(self, incoming: ChunkKey) -> int | None:
         if self._free:
             return self._free.pop()
+        if self._pending_hits:
+            self.touch()
         victim = self.policy.evict(self._evictable, incoming)
         if victim is None:
             return None

@@ -90,7 +90,9 @@ class Agent:
             reply = p.ErrorReply(str(exc))
         if rid != p.ONE_WAY:
             self._sock.send_multipart([identity, rid, p.encode(reply)])
-        self.metrics.request_seconds.labels(op).observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.host.after_reply()
+        self.metrics.request_seconds.labels(op).observe(elapsed)
 
     def _dispatch(self, request: p.Request) -> p.Reply:
         host = self.host
