@@ -79,6 +79,11 @@ class ChunkHeader:
         except ValueError:
             return None
 
+    def page(self) -> bytes:
+        """The header padded to a full page: the first page of a chunk file or object, so the
+        payload that follows stays page-aligned (O_DIRECT, readinto a pool slot)."""
+        return self.pack().ljust(HEADER_BYTES, b"\0")
+
     def verify(self, payload: memoryview | bytes) -> bool:
         return (
             self.state == SlotState.SEALED

@@ -41,8 +41,12 @@ class AgentRefused(AgentUnavailable):
 
 @dataclass(frozen=True)
 class LookupResult:
+    """`where[i]` names where key i is: 0 the pool, n the n-th secondary tier (see
+    `AgentClient.tiers`), -1 nowhere."""
+
     hits: list[bool]
     prefix: int
+    where: list[int]
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Grant:
 
     lease: int
     slots: list[int]
+    where: list[int]
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,12 @@ class AgentClient:
         self.close()
 
     @property
+    def tiers(self) -> list[str]:
+        """Names of the agent's tiers in `where` order: index 0 is the host pool."""
+        assert self.hello is not None, "connect() first"
+        return ["host", *self.hello.tiers]
+
+    @property
     def slot_bytes(self) -> int:
         assert self.hello is not None, "connect() first"
         return self.hello.payload_bytes
@@ -122,11 +133,11 @@ class AgentClient:
 
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> LookupResult:
         reply = self._call(p.Lookup(namespace, list(keys)), p.LookupReply)
-        return LookupResult(reply.hits, reply.prefix)
+        return LookupResult(reply.hits, reply.prefix, reply.where)
 
     def allocate(self, namespace: str, keys: Sequence[bytes], nbytes: int) -> Grant:
         reply = self._call(p.Allocate(self.client_id, namespace, list(keys), nbytes), p.LeaseReply)
-        return Grant(reply.lease, reply.slots)
+        return Grant(reply.lease, reply.slots, reply.where)
 
     def commit(self, lease: int) -> None:
         self._send(p.Commit(lease))
@@ -136,7 +147,7 @@ class AgentClient:
 
     def begin_load(self, namespace: str, keys: Sequence[bytes]) -> Grant:
         reply = self._call(p.BeginLoad(self.client_id, namespace, list(keys)), p.LeaseReply)
-        return Grant(reply.lease, reply.slots)
+        return Grant(reply.lease, reply.slots, reply.where)
 
     def end_load(self, lease: int) -> None:
         self._send(p.EndLoad(lease))

@@ -92,6 +92,99 @@ class HostTierConfig(_Model):
         return pool_slot_count(self.capacity, self.chunk_bytes)
 
 
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class FilesystemTierConfig(_Model):
+    """A directory, possibly shared between nodes (NFS, CephFS, Lustre, a PVC)."""
+
+    path: Path = Field(description="Mounted directory that holds the tier's files.")
+    capacity: ByteSize = Field(description="Bytes this tier may hold.")
+    high_watermark: float = Field(default=0.9, gt=0, le=1, description="Evict above this share.")
+    low_watermark: float = Field(default=0.8, gt=0, lt=1, description="Evict down to this share.")
+    fsync: bool = Field(default=True, description="fsync each file before publishing it.")
+    direct_io: bool = Field(default=False, description="Read and write with O_DIRECT.")
+    touch_interval_seconds: float = Field(
+        default=60.0, ge=0, description="A read refreshes a file's access time if older than this."
+    )
+    scan_interval_seconds: float = Field(
+        default=30.0, gt=0, description="Rescan to count other agents' files and evict."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> FilesystemTierConfig:
+        if self.capacity <= 0:
+            raise ValueError(
+                f"filesystem.capacity must be positive (got {self.capacity}); "
+                "fix: write a size such as 100Gi"
+            )
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(
+                f"filesystem.lowWatermark ({self.low_watermark}) must be below highWatermark "
+                f"({self.high_watermark}); fix: e.g. lowWatermark 0.8, highWatermark 0.9"
+            )
+        return self
+
+
+class ObjectStoreTierConfig(_Model):
+    """Any S3-compatible endpoint."""
+
+    endpoint: str | None = Field(default=None, description="S3 endpoint URL; AWS when unset.")
+    bucket: str = Field(min_length=3, max_length=63)
+    prefix: str = Field(default="", description="Key prefix inside the bucket.")
+    region: str = "us-east-1"
+    capacity: ByteSize = Field(description="Bytes this tier may hold.")
+    credentials_dir: Path | None = Field(
+        default=None,
+        description="Directory with files accessKeyId and secretAccessKey (a mounted Secret); "
+        "the environment's AWS credentials when unset.",
+    )
+    max_concurrency: int = Field(default=16, ge=1, le=256)
+    timeout_seconds: float = Field(default=5.0, gt=0)
+    retries: int = Field(default=3, ge=0, le=20)
+    negative_cache_seconds: float = Field(
+        default=2.0, ge=0, description="How long a key found absent is not asked for again."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ObjectStoreTierConfig:
+        if self.capacity <= 0:
+            raise ValueError(
+                f"objectStore.capacity must be positive (got {self.capacity}); "
+                "fix: write a size such as 1Ti"
+            )
+        return self
+
+
+class TierConfig(_Model):
+    """One secondary tier; exactly one backend key is set."""
+
+    name: str = Field(pattern=_DNS_LABEL, max_length=63)
+    filesystem: FilesystemTierConfig | None = None
+    object_store: ObjectStoreTierConfig | None = None
+    queue_depth: int = Field(
+        default=256, ge=1, description="Write-backs waiting for this tier; more are dropped."
+    )
+    workers: int = Field(default=2, ge=1, le=64, description="Threads writing to this tier.")
+    admit_after_hits: int = Field(
+        default=0, ge=0, description="Write a chunk here only once it was hit this many times."
+    )
+
+    @model_validator(mode="after")
+    def _one_backend(self) -> TierConfig:
+        backends = [b for b in (self.filesystem, self.object_store) if b is not None]
+        if len(backends) != 1:
+            raise ValueError(
+                f"tier {self.name!r} sets {len(backends)} backends; fix: give each tier "
+                "exactly one of filesystem or objectStore"
+            )
+        return self
+
+    @property
+    def kind(self) -> str:
+        return "filesystem" if self.filesystem is not None else "objectStore"
+
+
 class MetricsConfig(_Model):
     enabled: bool = True
     host: str = "0.0.0.0"
@@ -103,7 +196,7 @@ class AgentConfig(_Model):
 
     name: str = Field(
         default="default",
-        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        pattern=_DNS_LABEL,
         max_length=63,
         description="The KVCacheTier name; names the pool file and the socket directory.",
     )
@@ -112,10 +205,29 @@ class AgentConfig(_Model):
         description="Directory of the agent's control socket and client lock files.",
     )
     host: HostTierConfig
+    tiers: list[TierConfig] = Field(
+        default_factory=list, description="Secondary tiers, asked in this order on a host miss."
+    )
     lease_timeout_seconds: float = Field(default=30.0, gt=0)
+    tier_budget_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        description="Longest a lookup or load waits on secondary tiers; keep it below the "
+        "clients' timeout. What is not answered by then is a miss.",
+    )
     reap_interval_seconds: float = Field(default=1.0, gt=0)
     metrics: MetricsConfig = MetricsConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _unique_tiers(self) -> AgentConfig:
+        names = [t.name for t in self.tiers]
+        for name in sorted({n for n in names if names.count(n) > 1 or n == "host"}):
+            raise ValueError(
+                f"tiers: name {name!r} is used twice or is reserved; fix: give each tier its "
+                "own name other than host"
+            )
+        return self
 
     @property
     def socket_path(self) -> Path:
@@ -191,13 +303,12 @@ def _check_writable_dir(field: str, directory: Path) -> str | None:
 
 def check_runtime(config: AgentConfig) -> None:
     """Checks that need the filesystem, done once at start before anything is created."""
-    problems = [
-        p
-        for p in (
-            _check_writable_dir("host.poolDir", config.host.pool_dir),
-            _check_writable_dir("runDir", config.run_dir),
-        )
-        if p
+    checks = [("host.poolDir", config.host.pool_dir), ("runDir", config.run_dir)]
+    checks += [
+        (f"tiers[{i}].filesystem.path", t.filesystem.path)
+        for i, t in enumerate(config.tiers)
+        if t.filesystem is not None
     ]
+    problems = [p for field, path in checks if (p := _check_writable_dir(field, path))]
     if problems:
         raise ConfigError(problems)

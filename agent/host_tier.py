@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from kvtier.agent.pool import PoolGeometry, create_or_reuse, slot_payload_bytes
 log = logging.getLogger("kvtier.agent.host")
 
 TIER = "host"
+PROMOTER = "kvtier-agent"  # the lease holder of slots being filled from a secondary tier
 _SKIP_REASONS = {EXISTS: "exists", BUSY: "busy", FULL: "full"}
 
 
@@ -41,6 +43,10 @@ class HostTier:
         self.pool, reused = create_or_reuse(pool_path, geometry, populate=config.prefault)
         self.index = HostIndex(geometry.slot_count, make_policy(config.policy, geometry.slot_count))
         self.lock = threading.Lock()
+        # Called with the lock held: after a chunk is sealed, and with the entries that
+        # lookups hit. The secondary tiers use them to queue write-backs.
+        self.on_sealed: Callable[[Entry], None] | None = None
+        self.on_hits: Callable[[list[Entry]], None] | None = None
         self.corrupt = 0
         self._looked_up = self._found = 0
         if reused:
@@ -72,7 +78,9 @@ class HostTier:
         """Bookkeeping that need not delay an answer: the policy's view of recent hits and
         the lookup counters. The server calls it after each reply, before the next request."""
         with self.lock:
-            self.index.touch()
+            touched = self.index.touch()
+            if touched and self.on_hits is not None:
+                self.on_hits(touched)
         if self._looked_up:
             self.metrics.lookups.inc(self._looked_up)
             self._hits.inc(self._found)
@@ -182,11 +190,65 @@ class HostTier:
 
     def _seal_loop(self) -> None:
         while (entry := self._seal_queue.get()) is not None:
-            ns, key = entry.id
             digest = checksum(self.pool.payload(entry.slot, entry.length).data)
             with self.lock:
-                self._write_header(entry.slot, ChunkHeader(ns, key, entry.length, digest))
+                self._seal(entry, digest)
                 self.index.unpin(entry)
+
+    def _seal(self, entry: Entry, digest: int) -> None:
+        """Write the SEALED header and hand the chunk to the write-back hook (lock held)."""
+        entry.checksum = digest
+        self._write_header(entry.slot, entry.header())
+        if self.on_sealed is not None:
+            self.on_sealed(entry)
+
+    # --- hooks for the secondary tiers ----------------------------------------------------
+
+    def payload(self, entry: Entry) -> memoryview:
+        """The bytes of a pinned chunk, for writing it to a secondary tier."""
+        return self.pool.payload(entry.slot, entry.length).data
+
+    def unpin(self, entry: Entry) -> None:
+        with self.lock:
+            self.index.unpin(entry)
+
+    def missing(self, namespace: str, keys: list[bytes]) -> list[bytes]:
+        with self.lock:
+            return self.index.missing(namespace, keys)
+
+    def promote(
+        self, namespace: str, key: bytes, fill: Callable[[memoryview], ChunkHeader | None]
+    ) -> bool:
+        """Bring a chunk into the pool from elsewhere: reserve a slot, let `fill` read and
+        verify the bytes into it (no lock held meanwhile), then publish it as sealed.
+        Returns whether the chunk is now in the pool."""
+        with self.lock:
+            lease, slots = self.index.allocate(
+                PROMOTER,
+                namespace,
+                [key],
+                self.geometry.payload_bytes,
+                time.monotonic() + self.lease_seconds,
+            )
+            if slots[0] >= 0:
+                self._write_header(slots[0], ChunkHeader(namespace, b"", 0, 0, SlotState.WRITING))
+        if slots[0] == EXISTS:
+            return True
+        if slots[0] < 0:
+            return False
+        header: ChunkHeader | None = None
+        try:
+            header = fill(self.pool.payload(slots[0]).data)
+        finally:
+            with self.lock:
+                if header is None:
+                    self.index.abort(lease)
+                else:
+                    for entry in self.index.commit(lease):
+                        entry.length = header.length
+                        entry.checksum = header.checksum
+                        self._write_header(entry.slot, entry.header())
+        return header is not None
 
     def _reindex(self) -> None:
         """Rebuild the index from the pool after a restart, serving only verified chunks."""
@@ -203,7 +265,8 @@ class HostTier:
                 log.warning("dropped corrupt chunk in slot %d", slot)
                 continue
             if self.index.get(header.namespace, header.key) is None:
-                self.index.adopt(header.namespace, header.key, slot, header.length)
+                entry = self.index.adopt(header.namespace, header.key, slot, header.length)
+                entry.checksum = header.checksum
         log.info(
             "re-indexed pool: %d chunks, %d corrupt, %.2fs",
             self.index.chunks,

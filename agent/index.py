@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
+from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.policy import ChunkId, EvictionPolicy
 
 # Per-key answers of `allocate` that are not slot numbers.
@@ -37,6 +38,12 @@ class Entry:
     length: int
     state: EntryState = EntryState.WRITING
     pins: int = 0
+    hits: int = 0
+    checksum: int | None = None  # set once sealed: the bytes are complete and verified
+
+    def header(self) -> ChunkHeader:
+        assert self.checksum is not None, "only a sealed chunk has a full header"
+        return ChunkHeader(self.id[0], self.id[1], self.length, self.checksum)
 
 
 @dataclass(eq=False)
@@ -92,14 +99,24 @@ class HostIndex:
         self.counters.hits += n_hits
         return hits, hits.index(False) if n_hits < len(keys) else len(keys)
 
-    def touch(self) -> None:
-        """Tell the policy about the hits of lookups answered since the last call."""
+    def touch(self) -> list[Entry]:
+        """Tell the policy about the hits of lookups answered since the last call; returns
+        the entries hit (each once per hit), whose hit counts were raised."""
+        touched: list[Entry] = []
         for namespace, keys, hits in self._pending_hits:
             ready = self._ready.get(namespace, {})
-            self.policy.on_hits(
-                [e.id for k, hit in zip(keys, hits, strict=True) if hit and (e := ready.get(k))]
-            )
+            entries = [e for k, hit in zip(keys, hits, strict=True) if hit and (e := ready.get(k))]
+            for entry in entries:
+                entry.hits += 1
+            self.policy.on_hits([e.id for e in entries])
+            touched += entries
         self._pending_hits.clear()
+        return touched
+
+    def missing(self, namespace: str, keys: list[bytes]) -> list[bytes]:
+        """Keys not readable from the pool, without counting a lookup."""
+        ready = self._ready.get(namespace, {})
+        return [k for k in keys if k not in ready]
 
     @property
     def chunks(self) -> int:

@@ -60,6 +60,40 @@ class AgentMetrics:
             ["reason"],
             registry=r,
         )
+        self.tier_misses = Counter(
+            "kvtier_tier_misses",
+            "Keys a secondary tier was asked for and lacked.",
+            ["tier"],
+            registry=r,
+        )
+        self.promotions = Counter(
+            "kvtier_promotions",
+            "Chunks copied from a secondary tier into the pool.",
+            ["tier"],
+            registry=r,
+        )
+        self.writebacks = Counter(
+            "kvtier_writebacks",
+            "Chunks written from the pool to a secondary tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.writeback_dropped = Counter(
+            "kvtier_writeback_dropped",
+            "Write-backs not done, by reason (queue_full: the tier fell behind; error).",
+            ["tier", "reason"],
+            registry=r,
+        )
+        self.tier_errors = Counter(
+            "kvtier_tier_errors", "Failed secondary-tier operations.", ["tier", "op"], registry=r
+        )
+        self.tier_seconds = Histogram(
+            "kvtier_tier_op_seconds",
+            "Duration of one secondary-tier operation (exists: per batch).",
+            ["tier", "op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.request_seconds = Histogram(
             "kvtier_request_seconds",
             "Time the agent spent on a control request.",

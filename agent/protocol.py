@@ -71,12 +71,17 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     slot_count: int
     lease_timeout_seconds: float
     agent_version: str
+    tiers: list[str] = []
     protocol: int = PROTOCOL_VERSION
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):
+    """`where[i]`: 0 when key i is in the pool, n when secondary tier n (1-based, in
+    HelloReply.tiers order) holds it, -1 when no tier does."""
+
     hits: list[bool]
     prefix: int
+    where: list[int] = []
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply"):
@@ -85,6 +90,7 @@ class LeaseReply(msgspec.Struct, tag="lease_reply"):
 
     lease: int
     slots: list[int]
+    where: list[int] = []  # BeginLoad: where each granted chunk came from, as in LookupReply
 
 
 class Ack(msgspec.Struct, tag="ack"):

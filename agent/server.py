@@ -1,8 +1,10 @@
 """The agent process: a ZMQ ROUTER loop that serves the control protocol.
 
-One thread owns the socket; every request is a few dictionary operations, so the loop
-never waits on I/O of chunk bytes (clients copy those through the shared pool themselves).
-Lease reaping runs between requests, on the loop's poll timeout.
+One thread owns the socket. Requests the pool can answer alone (most of them) are a few
+dictionary operations and are answered inline. A lookup or load that must ask secondary
+tiers goes to a worker pool; its reply comes back to the loop over an inproc socket and is
+sent from there (ZMQ sockets belong to one thread), so a slow tier never stalls other
+clients. Lease reaping runs between requests, on the loop's poll timeout.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 
 import msgspec
@@ -22,8 +26,11 @@ from kvtier.agent.config import AgentConfig, check_runtime
 from kvtier.agent.host_tier import HostTier
 from kvtier.agent.liveness import ClientRegistry
 from kvtier.agent.metrics import AgentMetrics
+from kvtier.agent.secondary import MISS, SecondaryTiers
 
 log = logging.getLogger("kvtier.agent")
+
+Deferred = Callable[[], p.Reply]
 
 
 class Agent:
@@ -34,6 +41,17 @@ class Agent:
         self.host = HostTier(
             config.host, config.pool_path, self.metrics, config.lease_timeout_seconds
         )
+        self.tiers = (
+            SecondaryTiers(
+                config.tiers,
+                self.host,
+                self.metrics,
+                config.tier_budget_seconds,
+                config.reap_interval_seconds,
+            )
+            if config.tiers
+            else None
+        )
         self.clients = ClientRegistry(config.run_dir / "clients")
         self.stopping = threading.Event()
         self.metrics_port: int | None = None
@@ -42,6 +60,11 @@ class Agent:
         self._sock.setsockopt(zmq.LINGER, 0)
         config.socket_path.unlink(missing_ok=True)
         self._sock.bind(config.endpoint)
+        self._replies_addr = f"inproc://kvtier-replies-{id(self)}"
+        self._replies = self._ctx.socket(zmq.PULL)
+        self._replies.bind(self._replies_addr)
+        self._local = threading.local()
+        self._workers = ThreadPoolExecutor(8, thread_name_prefix="kvtier-request")
 
     def serve(self) -> None:
         cfg = self.config
@@ -55,15 +78,20 @@ class Agent:
                 "slots": self.host.geometry.slot_count,
                 "slot_bytes": self.host.geometry.payload_bytes,
                 "policy": cfg.host.policy,
+                "tiers": [f"{t.name}:{t.kind}" for t in cfg.tiers],
                 "metrics_port": self.metrics_port,
             },
         )
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._replies, zmq.POLLIN)
         interval_ms = int(cfg.reap_interval_seconds * 1000)
         next_reap = time.monotonic() + cfg.reap_interval_seconds
         while not self.stopping.is_set():
-            if poller.poll(interval_ms):
+            ready = dict(poller.poll(interval_ms))
+            if self._replies in ready:
+                self._sock.send_multipart(self._replies.recv_multipart())
+            if self._sock in ready:
                 self._handle(self._sock.recv_multipart())
             if time.monotonic() >= next_reap:
                 self.host.reclaim(time.monotonic(), self.clients.gone())
@@ -71,8 +99,12 @@ class Agent:
         self.close()
 
     def close(self) -> None:
+        self._workers.shutdown(wait=True, cancel_futures=True)
         self._sock.close()
+        self._replies.close()
         self.config.socket_path.unlink(missing_ok=True)
+        if self.tiers is not None:
+            self.tiers.close()
         self.host.close()
         log.info("agent stopped")
 
@@ -82,24 +114,45 @@ class Agent:
         identity, rid, body = frames
         started = time.perf_counter()
         op = "invalid"
+        reply: p.Reply | Deferred
         try:
             request = p.request_decoder.decode(body)
             op = str(type(request).__struct_config__.tag)
             reply = self._dispatch(request)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             reply = p.ErrorReply(str(exc))
+        if callable(reply):
+            self._workers.submit(self._run_deferred, identity, rid, reply, op, started)
+            return
         if rid != p.ONE_WAY:
             self._sock.send_multipart([identity, rid, p.encode(reply)])
         elapsed = time.perf_counter() - started
         self.host.after_reply()
         self.metrics.request_seconds.labels(op).observe(elapsed)
 
-    def _dispatch(self, request: p.Request) -> p.Reply:
+    def _run_deferred(
+        self, identity: bytes, rid: bytes, work: Deferred, op: str, started: float
+    ) -> None:
+        try:
+            reply = work()
+        except Exception as exc:
+            log.exception("request %s failed", op)
+            reply = p.ErrorReply(f"{type(exc).__name__}: {exc}")
+        push = getattr(self._local, "push", None)
+        if push is None:
+            push = self._local.push = self._ctx.socket(zmq.PUSH)
+            push.connect(self._replies_addr)
+        push.send_multipart([identity, rid, p.encode(reply)])
+        self.metrics.request_seconds.labels(op).observe(time.perf_counter() - started)
+
+    def _dispatch(self, request: p.Request) -> p.Reply | Deferred:
         host = self.host
         match request:
             case p.Lookup(namespace, keys):
                 hits, prefix = host.lookup(namespace, keys)
-                return p.LookupReply(hits, prefix)
+                if self.tiers is not None and prefix < len(keys):
+                    return lambda: self._lookup_tiers(namespace, keys, hits)
+                return p.LookupReply(hits, prefix, [0 if h else MISS for h in hits])
             case p.Allocate(client, namespace, keys, nbytes):
                 return p.LeaseReply(*host.allocate(client, namespace, keys, nbytes))
             case p.Commit(lease):
@@ -107,34 +160,63 @@ class Agent:
             case p.Abort(lease):
                 host.abort(lease)
             case p.BeginLoad(client, namespace, keys):
-                return p.LeaseReply(*host.begin_load(client, namespace, keys))
+                if self.tiers is not None and host.missing(namespace, keys):
+                    return lambda: self._load_with_promotion(client, namespace, keys)
+                lease, slots = host.begin_load(client, namespace, keys)
+                return p.LeaseReply(lease, slots, [0 if s >= 0 else MISS for s in slots])
             case p.EndLoad(lease):
                 host.end_load(lease)
             case p.Hello(client, lock, protocol):
-                if protocol != p.PROTOCOL_VERSION:
-                    raise ValueError(
-                        f"client speaks protocol {protocol}, agent {p.PROTOCOL_VERSION}; "
-                        "run a plug-in and agent of the same kvtier release"
-                    )
-                self.clients.register(client, lock)
-                g = host.geometry
-                return p.HelloReply(
-                    pool=str(self.config.pool_path),
-                    payload_bytes=g.payload_bytes,
-                    slot_count=g.slot_count,
-                    lease_timeout_seconds=self.config.lease_timeout_seconds,
-                    agent_version=kvtier.__version__,
-                )
+                return self._hello(client, lock, protocol)
             case p.Stats():
                 return p.StatsReply(
                     {
                         **host.stats(),
+                        "tiers": self.tiers.stats() if self.tiers is not None else [],
                         "clients": len(self.clients),
                         "name": self.config.name,
                         "metrics_port": self.metrics_port,
                     }
                 )
         return p.Ack()
+
+    def _lookup_tiers(self, namespace: str, keys: list[bytes], hits: list[bool]) -> p.Reply:
+        assert self.tiers is not None
+        missing = [i for i, hit in enumerate(hits) if not hit]
+        found = self.tiers.locate(namespace, [keys[i] for i in missing])
+        where = [0 if hit else MISS for hit in hits]
+        for i, position in zip(missing, found, strict=True):
+            where[i] = position
+        all_hits = [w != MISS for w in where]
+        prefix = all_hits.index(False) if False in all_hits else len(keys)
+        return p.LookupReply(all_hits, prefix, where)
+
+    def _load_with_promotion(self, client: str, namespace: str, keys: list[bytes]) -> p.Reply:
+        assert self.tiers is not None
+        promoted = self.tiers.promote(namespace, self.host.missing(namespace, keys))
+        lease, slots = self.host.begin_load(client, namespace, keys)
+        where = [
+            MISS if slot < 0 else promoted.get(key, 0)
+            for key, slot in zip(keys, slots, strict=True)
+        ]
+        return p.LeaseReply(lease, slots, where)
+
+    def _hello(self, client: str, lock: str, protocol: int) -> p.HelloReply:
+        if protocol != p.PROTOCOL_VERSION:
+            raise ValueError(
+                f"client speaks protocol {protocol}, agent {p.PROTOCOL_VERSION}; "
+                "run a plug-in and agent of the same kvtier release"
+            )
+        self.clients.register(client, lock)
+        g = self.host.geometry
+        return p.HelloReply(
+            pool=str(self.config.pool_path),
+            payload_bytes=g.payload_bytes,
+            slot_count=g.slot_count,
+            lease_timeout_seconds=self.config.lease_timeout_seconds,
+            agent_version=kvtier.__version__,
+            tiers=self.tiers.names if self.tiers is not None else [],
+        )
 
 
 def run_agent(config: AgentConfig) -> None:

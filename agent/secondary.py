@@ -1,0 +1,267 @@
+"""The secondary tiers as one ordered chain behind the host pool.
+
+Write-back: when the host tier seals a chunk (or, with `admitAfterHits`, when a chunk has
+been hit often enough) it is queued for each tier, pinned in the pool until written, on a
+bounded per-tier queue; a full queue drops the write and counts it, so a slow tier never
+holds up a client. Lookup and promotion: keys missing from the pool are asked of the tiers
+in order, one batch per tier; a found chunk is read straight into a reserved pool slot,
+verified, and published there before a client may read it. Both have a time budget: what is
+not answered in time is a miss, so no client waits past its own timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.agent.chunk import ChunkHeader
+from kvtier.agent.config import TierConfig
+from kvtier.agent.host_tier import HostTier
+from kvtier.agent.index import Entry
+from kvtier.agent.metrics import AgentMetrics
+from kvtier.agent.tiers import CorruptChunk, SecondaryTier, build_tier
+
+log = logging.getLogger("kvtier.agent.secondary")
+
+MISS = -1
+
+
+@dataclass
+class _Tier:
+    """One tier with its queue, workers and counters."""
+
+    config: TierConfig
+    backend: SecondaryTier
+    queue: queue.Queue[Entry | None]
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, what: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[what] = self.counts.get(what, 0) + n
+
+
+class SecondaryTiers:
+    def __init__(
+        self,
+        configs: list[TierConfig],
+        host: HostTier,
+        metrics: AgentMetrics,
+        budget_seconds: float,
+        maintain_seconds: float = 1.0,
+    ) -> None:
+        self.host = host
+        self.metrics = metrics
+        self.budget = budget_seconds
+        self.tiers = [_Tier(c, build_tier(c), queue.Queue(maxsize=c.queue_depth)) for c in configs]
+        self._io = ThreadPoolExecutor(32, thread_name_prefix="kvtier-tier-io")
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(
+                target=self._write_loop, args=(t,), name=f"kvtier-wb-{t.name}", daemon=True
+            )
+            for t in self.tiers
+            for _ in range(t.config.workers)
+        ]
+        self._threads.append(
+            threading.Thread(
+                target=self._maintain_loop,
+                args=(maintain_seconds,),
+                name="kvtier-tier-upkeep",
+                daemon=True,
+            )
+        )
+        for thread in self._threads:
+            thread.start()
+        for t in self.tiers:
+            self._bind_gauges(t)
+        host.on_sealed = self._on_sealed
+        host.on_hits = self._on_hits
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tiers]
+
+    # --- write-back (called by the host tier with its lock held) -------------------------
+
+    def _on_sealed(self, entry: Entry) -> None:
+        for tier in self.tiers:
+            if tier.config.admit_after_hits == 0:
+                self._enqueue(tier, entry)
+
+    def _on_hits(self, entries: list[Entry]) -> None:
+        for tier in self.tiers:
+            n = tier.config.admit_after_hits
+            if n:
+                for entry in entries:
+                    if entry.hits == n and entry.checksum is not None:
+                        self._enqueue(tier, entry)
+
+    def _enqueue(self, tier: _Tier, entry: Entry) -> None:
+        try:
+            tier.queue.put_nowait(entry)
+        except queue.Full:
+            tier.count("dropped")
+            self.metrics.writeback_dropped.labels(tier.name, "queue_full").inc()
+            return
+        entry.pins += 1  # released by the writer; the slot cannot be reused meanwhile
+
+    def _write_loop(self, tier: _Tier) -> None:
+        while (entry := tier.queue.get()) is not None:
+            started = time.perf_counter()
+            try:
+                tier.backend.write(entry.header(), self.host.payload(entry))
+            except Exception as exc:
+                tier.count("write_errors")
+                self.metrics.writeback_dropped.labels(tier.name, "error").inc()
+                self.metrics.tier_errors.labels(tier.name, "write").inc()
+                log.warning("tier %s: write failed: %s", tier.name, exc)
+            else:
+                tier.count("writebacks")
+                self.metrics.writebacks.labels(tier.name).inc()
+                self.metrics.tier_seconds.labels(tier.name, "write").observe(
+                    time.perf_counter() - started
+                )
+            finally:
+                self.host.unpin(entry)
+
+    # --- lookup and promotion (called on the agent's request workers) --------------------
+
+    def locate(self, namespace: str, keys: list[bytes]) -> list[int]:
+        """For each key, the position (1-based) of the first tier holding it, or MISS."""
+        where = [MISS] * len(keys)
+        deadline = time.monotonic() + self.budget
+        todo = list(range(len(keys)))
+        for position, tier in enumerate(self.tiers, start=1):
+            if not todo:
+                break
+            batch = [keys[i] for i in todo]
+            found = self._timed(tier, "exists", deadline, tier.backend.exists, namespace, batch)
+            if found is None:
+                continue
+            hits = [i for i, hit in zip(todo, found, strict=True) if hit]
+            for i in hits:
+                where[i] = position
+            tier.count("hits", len(hits))
+            tier.count("misses", len(todo) - len(hits))
+            self.metrics.hits.labels(tier.name).inc(len(hits))
+            self.metrics.tier_misses.labels(tier.name).inc(len(todo) - len(hits))
+            todo = [i for i, hit in zip(todo, found, strict=True) if not hit]
+        return where
+
+    def promote(self, namespace: str, keys: list[bytes]) -> dict[bytes, int]:
+        """Copy chunks into the pool from the first tier that has them, in parallel;
+        returns the tier position each key came from (absent keys are left out)."""
+        deadline = time.monotonic() + self.budget
+        futures = {k: self._io.submit(self._promote_one, namespace, k) for k in keys}
+        wait_futures(futures.values(), timeout=max(0.0, deadline - time.monotonic()))
+        return {
+            k: f.result()
+            for k, f in futures.items()
+            if f.done() and not f.exception() and f.result() != MISS
+        }
+
+    def _promote_one(self, namespace: str, key: bytes) -> int:
+        for position, tier in enumerate(self.tiers, start=1):
+            started = time.perf_counter()
+
+            def fill(out: memoryview, tier: _Tier = tier) -> ChunkHeader | None:
+                return tier.backend.read_into(namespace, key, out)
+
+            try:
+                promoted = self.host.promote(namespace, key, fill)
+            except CorruptChunk as exc:
+                tier.count("corrupt")
+                self.metrics.corrupt.labels(tier.name).inc()
+                log.warning("tier %s: dropped a corrupt chunk: %s", tier.name, exc)
+                continue
+            except Exception as exc:
+                tier.count("read_errors")
+                self.metrics.tier_errors.labels(tier.name, "read").inc()
+                log.warning("tier %s: read failed: %s", tier.name, exc)
+                continue
+            if promoted:
+                tier.count("promotions")
+                self.metrics.promotions.labels(tier.name).inc()
+                self.metrics.tier_seconds.labels(tier.name, "read").observe(
+                    time.perf_counter() - started
+                )
+                return position
+        return MISS
+
+    def _timed(self, tier: _Tier, op: str, deadline: float, fn: Any, *args: Any) -> Any | None:
+        """Run one tier call on the I/O pool within the deadline; None on error or timeout."""
+        started = time.perf_counter()
+        future = self._io.submit(fn, *args)
+        try:
+            result = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception as exc:
+            tier.count(f"{op}_errors")
+            self.metrics.tier_errors.labels(tier.name, op).inc()
+            log.warning("tier %s: %s failed or timed out: %s", tier.name, op, type(exc).__name__)
+            return None
+        self.metrics.tier_seconds.labels(tier.name, op).observe(time.perf_counter() - started)
+        return result
+
+    # --- upkeep and reporting ------------------------------------------------------------
+
+    def _maintain_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            for tier in self.tiers:
+                try:
+                    evicted = tier.backend.maintain()
+                except Exception as exc:
+                    self.metrics.tier_errors.labels(tier.name, "maintain").inc()
+                    log.warning("tier %s: upkeep failed: %s", tier.name, exc)
+                    continue
+                if evicted:
+                    tier.count("evictions", evicted)
+                    self.metrics.evictions.labels(tier.name).inc(evicted)
+
+    def _bind_gauges(self, tier: _Tier) -> None:
+        m, backend = self.metrics, tier.backend
+        m.capacity_bytes.labels(tier.name).set_function(lambda: backend.usage().capacity_bytes)
+        m.used_bytes.labels(tier.name).set_function(lambda: backend.usage().used_bytes)
+        m.chunks.labels(tier.name).set_function(lambda: backend.usage().objects)
+
+    def stats(self) -> list[dict[str, Any]]:
+        out = []
+        for tier in self.tiers:
+            usage = tier.backend.usage()
+            out.append(
+                {
+                    "name": tier.name,
+                    "kind": tier.backend.kind,
+                    "capacity_bytes": usage.capacity_bytes,
+                    "used_bytes": usage.used_bytes,
+                    "chunks": usage.objects,
+                    "queued": tier.queue.qsize(),
+                    **tier.counts,
+                }
+            )
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        for tier in self.tiers:
+            for _ in range(tier.config.workers):
+                try:
+                    tier.queue.put(None, timeout=5)
+                except queue.Full:
+                    break
+        for thread in self._threads:
+            thread.join(timeout=10)
+        for tier in self.tiers:
+            tier.backend.close()
+        self._io.shutdown(wait=False, cancel_futures=True)

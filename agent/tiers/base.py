@@ -1,0 +1,103 @@
+"""The interface every secondary tier implements.
+
+Tiers are called from the agent's worker threads, never from its request loop, so they may
+block on I/O. Every blob a tier holds is a chunk header page followed by the payload; a tier
+verifies what it reads against that header and reports a bad blob as CorruptChunk after
+removing it, so the caller only counts it and treats it as a miss.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import xxhash
+
+from kvtier.agent.chunk import HEADER_BYTES, ChunkHeader, checksum
+
+
+class CorruptChunk(Exception):
+    """A blob failed verification (header, key or checksum); it has been removed."""
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    capacity_bytes: int
+    used_bytes: int
+    objects: int
+
+
+_SAFE_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def namespace_dir(namespace: str) -> str:
+    """A path segment for a namespace: itself when already safe, else a stable hash."""
+    if _SAFE_NAMESPACE.match(namespace):
+        return namespace
+    return "ns-" + xxhash.xxh3_128_hexdigest(namespace.encode())
+
+
+def blob_path(namespace: str, key: bytes) -> str:
+    """`<namespace>/<2 hex>/<2 hex>/<key hex>`: the same relative layout on every tier, with
+    two levels of fan-out so no directory grows past a few thousand entries per million keys."""
+    hexkey = key.hex()
+    return f"{namespace_dir(namespace)}/{hexkey[:2]}/{hexkey[2:4]}/{hexkey}"
+
+
+def check_blob(
+    header_page: bytes | memoryview, namespace: str, key: bytes, room: int
+) -> ChunkHeader:
+    """Parse and check a blob's header against what was asked for; raises CorruptChunk."""
+    header = ChunkHeader.unpack(header_page)
+    if header is None or header.namespace != namespace or header.key != key:
+        raise CorruptChunk("header does not describe the requested chunk")
+    if header.length > room:
+        raise CorruptChunk(f"chunk of {header.length} bytes does not fit a {room}-byte slot")
+    return header
+
+
+def check_payload(header: ChunkHeader, payload: memoryview) -> None:
+    if checksum(payload[: header.length]) != header.checksum:
+        raise CorruptChunk("checksum mismatch")
+
+
+class SecondaryTier(ABC):
+    kind: str
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @abstractmethod
+    def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        """Which keys this tier holds, asked as one batch."""
+
+    @abstractmethod
+    def write(self, header: ChunkHeader, payload: memoryview) -> None:
+        """Publish a chunk atomically; raises OSError (or the backend's error) on failure."""
+
+    @abstractmethod
+    def read_into(self, namespace: str, key: bytes, out: memoryview) -> ChunkHeader | None:
+        """Read a chunk's payload into `out` and verify it; None when absent."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    @abstractmethod
+    def maintain(self) -> int:
+        """Periodic upkeep (rescans, eviction to the watermarks); returns chunks evicted."""
+
+    def close(self) -> None:
+        """Release clients and threads."""
+
+
+__all__ = [
+    "HEADER_BYTES",
+    "CorruptChunk",
+    "SecondaryTier",
+    "TierUsage",
+    "blob_path",
+    "check_blob",
+    "check_payload",
+    "namespace_dir",
+]

@@ -1,0 +1,241 @@
+"""The filesystem tier: content-addressed files on a directory several nodes may share.
+
+Publishing is atomic (temporary name, optional fsync, rename), so a reader on any node sees
+a whole file or none, and two agents writing the same key each publish a complete copy. A
+file's modification time is its access record: reads refresh it (at most every
+`touchIntervalSeconds`), it survives agent restarts, every agent sharing the mount sees it,
+and eviction removes the least recently used files once usage passes the high watermark.
+Removing a file another agent is reading is safe: POSIX keeps an open file's data until it
+is closed, and every read is verified against the header checksum anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import mmap
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from kvtier.agent.chunk import CHUNK_VERSION, ChunkHeader
+from kvtier.agent.config import FilesystemTierConfig
+from kvtier.agent.pool import PAGE
+from kvtier.agent.tiers.base import (
+    HEADER_BYTES,
+    CorruptChunk,
+    SecondaryTier,
+    TierUsage,
+    blob_path,
+    check_blob,
+    check_payload,
+    namespace_dir,
+)
+
+log = logging.getLogger("kvtier.agent.tiers.filesystem")
+
+QUARANTINE = ".quarantine"
+STALE_TEMP_SECONDS = 3600.0
+
+
+def _aligned(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+class FilesystemTier(SecondaryTier):
+    kind = "filesystem"
+
+    def __init__(self, name: str, config: FilesystemTierConfig) -> None:
+        super().__init__(name)
+        self.config = config
+        self.root = config.path
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._used = 0
+        self._objects = 0
+        self._next_scan = 0.0
+        self._manifests: set[str] = set()
+        self._direct = config.direct_io and hasattr(os, "O_DIRECT")
+
+    # --- reads and writes --------------------------------------------------------------
+
+    def path_for(self, namespace: str, key: bytes) -> Path:
+        return self.root / blob_path(namespace, key)
+
+    def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        return [self.path_for(namespace, k).exists() for k in keys]
+
+    def write(self, header: ChunkHeader, payload: memoryview) -> None:
+        path = self.path_for(header.namespace, header.key)
+        if path.exists():
+            return
+        # Recreated on every write: the directory may have been removed under us.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._write_manifest(header.namespace)
+        tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
+        size = HEADER_BYTES + _aligned(header.length) if self._direct else None
+        fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            if size is not None:
+                # O_DIRECT moves whole pages from page-aligned buffers: pool slots are aligned,
+                # the header goes through an anonymous (aligned) mapping.
+                page = mmap.mmap(-1, HEADER_BYTES)
+                page.write(header.page())
+                self._pwrite_all(fd, [memoryview(page), payload[: _aligned(header.length)]])
+            else:
+                self._pwrite_all(fd, [header.page(), payload[: header.length]])
+            if self.config.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.rename(tmp, path)
+        with self._lock:
+            self._used += HEADER_BYTES + header.length
+            self._objects += 1
+
+    def read_into(self, namespace: str, key: bytes, out: memoryview) -> ChunkHeader | None:
+        path = self.path_for(namespace, key)
+        try:
+            fd = self._open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            try:
+                header = check_blob(os.pread(fd, HEADER_BYTES, 0), namespace, key, len(out))
+                want = _aligned(header.length) if self._direct else header.length
+                if self._preadv_all(fd, out[:want], HEADER_BYTES) < header.length:
+                    raise CorruptChunk("file is shorter than its header says")
+                check_payload(header, out)
+            except CorruptChunk:
+                self._quarantine(path)
+                raise
+            if time.time() - os.fstat(fd).st_mtime > self.config.touch_interval_seconds:
+                with contextlib.suppress(OSError):
+                    os.utime(path)
+            return header
+        finally:
+            os.close(fd)
+
+    # --- upkeep ------------------------------------------------------------------------
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(self.config.capacity, self._used, self._objects)
+
+    def maintain(self) -> int:
+        """Rescan when due (other agents write here too), then evict least recently used
+        files from above the high watermark down to the low one."""
+        now = time.monotonic()
+        cfg = self.config
+        with self._lock:
+            over = self._used > cfg.high_watermark * cfg.capacity
+        if now < self._next_scan and not over:
+            return 0
+        self._next_scan = now + cfg.scan_interval_seconds
+        files = self._scan()
+        used = sum(size for _, size, _ in files)
+        evicted = 0
+        if used > cfg.high_watermark * cfg.capacity:
+            target = cfg.low_watermark * cfg.capacity
+            for _mtime, size, path in sorted(files):
+                if used <= target:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    evicted += 1
+                used -= size
+        with self._lock:
+            self._used, self._objects = used, len(files) - evicted
+        if evicted:
+            log.info("evicted %d files from tier %s", evicted, self.name)
+        return evicted
+
+    def _scan(self) -> list[tuple[float, int, Path]]:
+        files: list[tuple[float, int, Path]] = []
+        stale = time.time() - STALE_TEMP_SECONDS
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if d != QUARANTINE]
+            for name in filenames:
+                if name == "manifest.json":
+                    continue
+                path = Path(dirpath) / name
+                try:
+                    st = path.stat()
+                except FileNotFoundError:
+                    continue
+                if name.startswith(".tmp-"):
+                    if st.st_mtime < stale:  # left by a writer that died
+                        path.unlink(missing_ok=True)
+                    continue
+                files.append((st.st_mtime, st.st_size, path))
+        return files
+
+    def _quarantine(self, path: Path) -> None:
+        """Move a bad file aside (for inspection) so no agent reads it again."""
+        target = self.root / QUARANTINE / f"{path.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            target.parent.mkdir(exist_ok=True)
+            os.rename(path, target)
+        except OSError:
+            path.unlink(missing_ok=True)
+
+    def _write_manifest(self, namespace: str) -> None:
+        """A readable description of what a namespace directory holds, for operators."""
+        if namespace in self._manifests:
+            return
+        directory = self.root / namespace_dir(namespace)
+        manifest = directory / "manifest.json"
+        if not manifest.exists():
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp = directory / f".tmp-manifest-{uuid.uuid4().hex[:8]}"
+            tmp.write_text(
+                json.dumps(
+                    {
+                        "namespace": namespace,
+                        "chunkFormatVersion": CHUNK_VERSION,
+                        "layout": "<namespace>/<2 hex>/<2 hex>/<key hex>",
+                        "headerBytes": HEADER_BYTES,
+                    },
+                    indent=2,
+                )
+            )
+            os.rename(tmp, manifest)
+        self._manifests.add(namespace)
+
+    def _open(self, path: Path, flags: int) -> int:
+        if self._direct:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.warning("tier %s: O_DIRECT not supported here, using buffered I/O", self.name)
+                self._direct = False
+        return os.open(path, flags, 0o644)
+
+    @staticmethod
+    def _pwrite_all(fd: int, buffers: list[bytes | memoryview]) -> None:
+        offset = 0
+        for buf in buffers:
+            view = memoryview(buf)
+            while view:
+                n = os.pwrite(fd, view, offset)
+                offset += n
+                view = view[n:]
+
+    @staticmethod
+    def _preadv_all(fd: int, out: memoryview, offset: int) -> int:
+        done = 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
