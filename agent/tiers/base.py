@@ -87,7 +87,7 @@ class SecondaryTier(ABC):
     def maintain(self) -> int:
         """Periodic upkeep (rescans, eviction to the watermarks); returns chunks evicted."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release clients and threads."""
 
 
