@@ -208,10 +208,6 @@ class HostTier:
         """The bytes of a pinned chunk, for writing it to a secondary tier."""
         return self.pool.payload(entry.slot, entry.length).data
 
-    def unpin(self, entry: Entry) -> None:
-        with self.lock:
-            self.index.unpin(entry)
-
     def missing(self, namespace: str, keys: list[bytes]) -> list[bytes]:
         with self.lock:
             return self.index.missing(namespace, keys)

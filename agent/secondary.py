@@ -2,10 +2,13 @@
 
 Write-back: when the host tier seals a chunk (or, with `admitAfterHits`, when a chunk has
 been hit often enough) it is queued for each tier, pinned in the pool until written, on a
-bounded per-tier queue; a full queue drops the write and counts it, so a slow tier never
-holds up a client. Lookup and promotion: keys missing from the pool are asked of the tiers
-in order, one batch per tier; a found chunk is read straight into a reserved pool slot,
-verified, and published there before a client may read it. Both have a time budget: what is
+bounded per-tier queue. A full queue drops the write and counts it, and so does a write that
+would pin more than half the pool: a slow tier never holds up a client, neither by making
+it wait nor by leaving it no slot to store into.
+
+Lookup and promotion: keys missing from the pool are asked of the tiers in order, one batch
+per tier; a found chunk is read straight into a reserved pool slot, verified, and published
+there before a client may read it. Both have a time budget: what is
 not answered in time is a miss, so no client waits past its own timeout.
 """
 
@@ -64,6 +67,8 @@ class SecondaryTiers:
         self.host = host
         self.metrics = metrics
         self.budget = budget_seconds
+        self._pins = 0  # pool slots pinned by queued or running write-backs (host lock)
+        self._max_pins = max(1, host.geometry.slot_count // 2)
         self.tiers = [_Tier(c, build_tier(c), queue.Queue(maxsize=c.queue_depth)) for c in configs]
         self._io = ThreadPoolExecutor(32, thread_name_prefix="kvtier-tier-io")
         self._stop = threading.Event()
@@ -109,13 +114,18 @@ class SecondaryTiers:
                         self._enqueue(tier, entry)
 
     def _enqueue(self, tier: _Tier, entry: Entry) -> None:
-        try:
-            tier.queue.put_nowait(entry)
-        except queue.Full:
+        reason = "pool_pressure" if self._pins >= self._max_pins else None
+        if reason is None:
+            try:
+                tier.queue.put_nowait(entry)
+            except queue.Full:
+                reason = "queue_full"
+        if reason is not None:
             tier.count("dropped")
-            self.metrics.writeback_dropped.labels(tier.name, "queue_full").inc()
+            self.metrics.writeback_dropped.labels(tier.name, reason).inc()
             return
         entry.pins += 1  # released by the writer; the slot cannot be reused meanwhile
+        self._pins += 1
 
     def _write_loop(self, tier: _Tier) -> None:
         while (entry := tier.queue.get()) is not None:
@@ -134,7 +144,9 @@ class SecondaryTiers:
                     time.perf_counter() - started
                 )
             finally:
-                self.host.unpin(entry)
+                with self.host.lock:
+                    self.host.index.unpin(entry)
+                    self._pins -= 1
 
     # --- lookup and promotion (called on the agent's request workers) --------------------
 

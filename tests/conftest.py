@@ -4,11 +4,17 @@
 from __future__ import annotations
 
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 
 from kvtier.agent.config import AgentConfig, parse_config
@@ -68,3 +74,65 @@ def agent(
     make_config: Callable[..., AgentConfig], agent_factory: Callable[[AgentConfig], AgentProcess]
 ) -> AgentProcess:
     return agent_factory(make_config())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on port {port}")
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """moto's S3-compatible server as its own process, over HTTP on loopback."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_port(port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def s3_bucket(s3_server: str, scratch: Path) -> dict[str, Any]:
+    """A fresh bucket, and an objectStore tier config reaching it with credentials from a
+    mounted-Secret-like directory."""
+    creds = scratch / "s3-credentials"
+    creds.mkdir()
+    (creds / "accessKeyId").write_text("kvtier-test\n")
+    (creds / "secretAccessKey").write_text("kvtier-test-secret\n")
+    bucket = f"kv-{uuid.uuid4().hex[:12]}"
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=s3_server,
+        region_name="us-east-1",
+        aws_access_key_id="kvtier-test",
+        aws_secret_access_key="kvtier-test-secret",
+    )
+    s3.create_bucket(Bucket=bucket)
+    return {
+        "endpoint": s3_server,
+        "bucket": bucket,
+        "prefix": "cluster-a/",
+        "capacity": "64Mi",
+        "credentialsDir": str(creds),
+        "timeoutSeconds": 2,
+        "retries": 1,
+        "client": s3,
+    }

@@ -58,7 +58,6 @@ class FilesystemTier(SecondaryTier):
         self._used = 0
         self._objects = 0
         self._next_scan = 0.0
-        self._manifests: set[str] = set()
         self._direct = config.direct_io and hasattr(os, "O_DIRECT")
 
     # --- reads and writes --------------------------------------------------------------
@@ -187,9 +186,9 @@ class FilesystemTier(SecondaryTier):
             path.unlink(missing_ok=True)
 
     def _write_manifest(self, namespace: str) -> None:
-        """A readable description of what a namespace directory holds, for operators."""
-        if namespace in self._manifests:
-            return
+        """A readable description of what a namespace directory holds, for operators.
+        Checked on every write (one stat next to a multi-MiB write) because the directory
+        may be removed under a running agent."""
         directory = self.root / namespace_dir(namespace)
         manifest = directory / "manifest.json"
         if not manifest.exists():
@@ -207,7 +206,6 @@ class FilesystemTier(SecondaryTier):
                 )
             )
             os.rename(tmp, manifest)
-        self._manifests.add(namespace)
 
     def _open(self, path: Path, flags: int) -> int:
         if self._direct:

@@ -1,0 +1,224 @@
+"""Agent processes with secondary tiers: write-back, lookups and loads across tiers, shared
+directories between agents, restarts with an empty pool, and faults that become misses."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.agent.client import AgentClient
+from kvtier.agent.config import AgentConfig
+from kvtier.agent.process import AgentProcess
+from tests.conftest import ROW, free_port
+from tests.helpers import NS, key, row
+
+StartAgent = Callable[[AgentConfig], AgentProcess]
+
+
+def fs_tier(path: Path, **kw: Any) -> dict[str, Any]:
+    return {
+        "name": "shared-fs",
+        "filesystem": {"path": str(path), "capacity": "64Mi", "fsync": False, **kw},
+    }
+
+
+def s3_tier(bucket: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    fields = {k: v for k, v in bucket.items() if k != "client"}
+    return {"name": "s3", "objectStore": {**fields, **kw}}
+
+
+def fs_file(root: Path, i: int) -> Path:
+    h = key(i).hex()
+    return root / NS / h[:2] / h[2:4] / h
+
+
+def tier_stats(client: AgentClient, name: str) -> dict[str, Any]:
+    return next(t for t in client.stats()["tiers"] if t["name"] == name)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.05)
+
+
+def store(client: AgentClient, ids: range | list[int]) -> None:
+    ids = list(ids)
+    client.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
+
+
+def load_exact(client: AgentClient, ids: list[int]) -> list[bool]:
+    outs = [np.zeros(ROW, np.uint8) for _ in ids]
+    loaded = client.load_into(NS, [key(i) for i in ids], outs)
+    return [
+        ok and np.array_equal(o, row(i, ROW)) for i, ok, o in zip(ids, loaded, outs, strict=True)
+    ]
+
+
+def test_two_agents_share_a_filesystem_tier(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    """Agent A (one node) stores; agent B (another node, its own pool) loads the chunks."""
+    shared = scratch / "shared-fs"
+    a = make_config(
+        {"name": "node-a", "runDir": str(scratch / "run-a"), "tiers": [fs_tier(shared)]}
+    )
+    b = make_config(
+        {"name": "node-b", "runDir": str(scratch / "run-b"), "tiers": [fs_tier(shared)]}
+    )
+    agent_factory(a)
+    agent_factory(b)
+    with AgentClient(a.endpoint) as ca:
+        store(ca, range(10))
+        wait_for(lambda: tier_stats(ca, "shared-fs").get("writebacks", 0) == 10)
+    with AgentClient(b.endpoint) as cb:
+        assert cb.tiers == ["host", "shared-fs"]
+        found = cb.lookup(NS, [key(i) for i in range(12)])
+        assert found.where == [1] * 10 + [-1, -1] and found.prefix == 10
+        assert load_exact(cb, list(range(10))) == [True] * 10
+        assert cb.lookup(NS, [key(i) for i in range(10)]).where == [0] * 10  # promoted
+        assert tier_stats(cb, "shared-fs")["promotions"] == 10
+
+
+def test_restart_with_empty_pool_serves_from_filesystem_and_s3(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: StartAgent,
+    scratch: Path,
+    s3_bucket: dict[str, Any],
+) -> None:
+    config = make_config({"tiers": [fs_tier(scratch / "fs"), s3_tier(s3_bucket)]})
+    first = agent_factory(config)
+    with AgentClient(config.endpoint) as client:
+        store(client, range(8))
+        wait_for(lambda: all(t.get("writebacks", 0) == 8 for t in client.stats()["tiers"]))
+    first.kill()
+    config.pool_path.unlink()  # the node rebooted: host memory is gone
+    for i in range(4, 8):  # and the filesystem lost half the chunks
+        fs_file(scratch / "fs", i).unlink()
+
+    agent_factory(config)
+    with AgentClient(config.endpoint) as client:
+        assert client.stats()["chunks"] == 0
+        assert client.lookup(NS, [key(i) for i in range(8)]).where == [1] * 4 + [2] * 4
+        assert load_exact(client, list(range(8))) == [True] * 8
+
+
+def test_one_request_served_from_three_tiers(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: StartAgent,
+    scratch: Path,
+    s3_bucket: dict[str, Any],
+) -> None:
+    config = make_config({"tiers": [fs_tier(scratch / "fs"), s3_tier(s3_bucket)]})
+    agent_factory(config)
+    with AgentClient(config.endpoint) as client:
+        store(client, range(6))
+        wait_for(lambda: all(t.get("writebacks", 0) == 6 for t in client.stats()["tiers"]))
+        for i in (4, 5):  # these two stay on S3 only
+            fs_file(scratch / "fs", i).unlink()
+        flush = range(100, 100 + client.stats()["slots"])
+        store(client, flush)
+        assert client.lookup(NS, [key(i) for i in flush]).prefix == len(flush)
+        assert load_exact(client, [0, 1]) == [True, True]  # back into the pool
+        ids = [0, 1, 2, 3, 4, 5, 999]
+        found = client.lookup(NS, [key(i) for i in ids])
+        assert found.where == [0, 0, 1, 1, 2, 2, -1]
+        assert load_exact(client, ids) == [True] * 6 + [False]
+
+
+def test_unreachable_s3_degrades_to_misses_in_time(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: StartAgent,
+    s3_bucket: dict[str, Any],
+) -> None:
+    dead = s3_tier(
+        s3_bucket, endpoint=f"http://127.0.0.1:{free_port()}", timeoutSeconds=0.3, retries=0
+    )
+    config = make_config({"tiers": [dead], "tierBudgetSeconds": 0.5})
+    agent_factory(config)
+    with AgentClient(config.endpoint, timeout=3) as client:
+        store(client, range(5))
+        started = time.monotonic()
+        found = client.lookup(NS, [key(i) for i in range(10)])
+        assert time.monotonic() - started < 2
+        assert found.where == [0] * 5 + [-1] * 5
+        assert load_exact(client, list(range(10))) == [True] * 5 + [False] * 5
+        wait_for(lambda: tier_stats(client, "s3").get("write_errors", 0) == 5)
+
+
+def test_full_write_back_queue_drops_without_blocking(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: StartAgent,
+    s3_bucket: dict[str, Any],
+) -> None:
+    slow = s3_tier(
+        s3_bucket, endpoint=f"http://127.0.0.1:{free_port()}", timeoutSeconds=1, retries=0
+    )
+    config = make_config({"tiers": [{**slow, "queueDepth": 1, "workers": 1}]})
+    agent_factory(config)
+    with AgentClient(config.endpoint, timeout=3) as client:
+        started = time.monotonic()
+        for i in range(20):
+            store(client, [i])
+        assert time.monotonic() - started < 3
+        wait_for(lambda: tier_stats(client, "s3").get("dropped", 0) > 0)
+        assert client.lookup(NS, [key(i) for i in range(20)]).prefix == 20
+
+
+def test_admission_after_hits(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    config = make_config({"tiers": [{**fs_tier(scratch / "fs"), "admitAfterHits": 2}]})
+    agent_factory(config)
+    with AgentClient(config.endpoint) as client:
+        store(client, range(3))
+        time.sleep(0.3)
+        assert tier_stats(client, "shared-fs").get("writebacks", 0) == 0
+        client.lookup(NS, [key(0), key(1)])
+        client.lookup(NS, [key(0)])
+        wait_for(lambda: tier_stats(client, "shared-fs").get("writebacks", 0) == 1)
+        time.sleep(0.3)
+        assert tier_stats(client, "shared-fs")["writebacks"] == 1
+
+
+def test_tier_directory_deleted_under_running_agent(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    config = make_config({"tiers": [fs_tier(scratch / "fs")]})
+    agent_factory(config)
+    with AgentClient(config.endpoint) as client:
+        store(client, range(4))
+        wait_for(lambda: tier_stats(client, "shared-fs").get("writebacks", 0) == 4)
+        shutil.rmtree(scratch / "fs")
+        assert client.lookup(NS, [key(i) for i in range(6)]).where == [0] * 4 + [-1] * 2
+        store(client, [10])
+        wait_for(lambda: tier_stats(client, "shared-fs").get("writebacks", 0) == 5)
+        assert (scratch / "fs" / NS / "manifest.json").exists()
+
+
+def test_corrupt_file_is_never_loaded(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    config = make_config({"tiers": [fs_tier(scratch / "fs")]})
+    first = agent_factory(config)
+    with AgentClient(config.endpoint) as client:
+        store(client, range(3))
+        wait_for(lambda: tier_stats(client, "shared-fs").get("writebacks", 0) == 3)
+    first.kill()
+    config.pool_path.unlink()
+    path = fs_file(scratch / "fs", 1)
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0x40
+    path.write_bytes(bytes(raw))
+    agent_factory(config)
+    with AgentClient(config.endpoint) as client:
+        assert load_exact(client, [0, 1, 2]) == [True, False, True]
+        assert tier_stats(client, "shared-fs")["corrupt"] == 1
+        assert client.lookup(NS, [key(1)]).where == [-1]
