@@ -43,6 +43,7 @@ def _demo(args: argparse.Namespace) -> int:
             turns=args.turns,
             policy=args.policy,
             capacity=args.capacity,
+            fs_dir=None if args.no_fs else args.fs_dir,
             as_json=args.json,
         )
     )
@@ -88,7 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
     demo.add_argument("--policy", choices=["lru", "arc"], default="lru", help="eviction policy")
-    demo.add_argument("--capacity", default="24Mi", help="host pool capacity (default 24Mi)")
+    demo.add_argument("--capacity", default="12Mi", help="host pool capacity (default 12Mi)")
+    demo.add_argument(
+        "--fs-dir",
+        type=Path,
+        default=Path(".scratch/demo-fs"),
+        help="directory of the demo's filesystem tier, emptied before and after the run "
+        "(default .scratch/demo-fs)",
+    )
+    demo.add_argument("--no-fs", action="store_true", help="run with the host tier alone")
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.set_defaults(func=_demo)
 

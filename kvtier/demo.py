@@ -1,8 +1,10 @@
 """`kvtier demo`: one agent, several client processes replaying multi-turn chats.
 
 Each client acts like an engine serving its share of conversations: per turn it looks up the
-prompt's chunks, loads the hit prefix from the node's pool (checking every byte), "prefills"
-the rest and stores the new chunks. The report shows what the shared host tier saved.
+prompt's chunks, loads the hit prefix through the node's pool (checking every byte),
+"prefills" the rest and stores the new chunks. The agent's host pool is deliberately small
+and backed by a filesystem tier, so once the pool is full, evicted chunks come back from the
+filesystem. The report shows what each tier saved.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class DemoOptions:
     conversations: int = 3
     turns: int = 6
     policy: str = "lru"
-    capacity: str = "24Mi"
+    capacity: str = "12Mi"
+    fs_dir: Path | None = Path(".scratch/demo-fs")
     as_json: bool = False
 
 
@@ -49,6 +52,8 @@ class ClientReport:
     cached_tokens: int = 0
     chunks_looked_up: int = 0
     chunks_hit: int = 0
+    hits_host: int = 0
+    hits_fs: int = 0
     chunks_loaded: int = 0
     chunks_stored: int = 0
     bytes_loaded: int = 0
@@ -71,6 +76,8 @@ class DemoReport:
             "clients": len(self.clients),
             "turns": self.total("turns"),
             "hit_rate": self.total("chunks_hit") / looked if looked else 0.0,
+            "hits_from_host": self.total("hits_host"),
+            "hits_from_filesystem": self.total("hits_fs"),
             "prompt_tokens": self.total("prompt_tokens"),
             "prefill_tokens_avoided": self.total("cached_tokens"),
             "bytes_stored": self.total("bytes_stored"),
@@ -89,7 +96,10 @@ def replay(index: int, endpoint: str, options: DemoOptions, events: mp.Queue[Any
         buffers = [np.empty(ROW_BYTES, np.uint8) for _ in range(64)]
         for turn in conversation_turns(shape, 1000 + index, options.conversations, options.turns):
             keys = chunk_keys(turn.prompt, shape.chunk_tokens)
-            prefix = client.lookup(NAMESPACE, keys).prefix
+            found = client.lookup(NAMESPACE, keys)
+            prefix = found.prefix
+            report.hits_host += found.where[:prefix].count(0)
+            report.hits_fs += prefix - found.where[:prefix].count(0)
             while len(buffers) < prefix:
                 buffers.append(np.empty(ROW_BYTES, np.uint8))
             loaded = client.load_into(NAMESPACE, keys[:prefix], buffers[:prefix])
@@ -114,6 +124,11 @@ def replay(index: int, endpoint: str, options: DemoOptions, events: mp.Queue[Any
 
 
 def demo_config(scratch: Path, options: DemoOptions) -> AgentConfig:
+    tiers = []
+    if options.fs_dir is not None:
+        tiers.append(
+            {"name": "demo-fs", "filesystem": {"path": str(options.fs_dir), "capacity": "1Gi"}}
+        )
     return parse_config(
         {
             "name": "demo",
@@ -124,6 +139,7 @@ def demo_config(scratch: Path, options: DemoOptions) -> AgentConfig:
                 "policy": options.policy,
                 "poolDir": str(scratch / "pool"),
             },
+            "tiers": tiers,
             "metrics": {"port": 0, "host": "127.0.0.1"},
         }
     )
@@ -131,6 +147,8 @@ def demo_config(scratch: Path, options: DemoOptions) -> AgentConfig:
 
 def run_workload(options: DemoOptions, console: Console) -> DemoReport:
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-demo-", dir="/dev/shm"))
+    if options.fs_dir is not None:
+        shutil.rmtree(options.fs_dir, ignore_errors=True)  # every run starts cold
     config = demo_config(scratch, options)
     report = DemoReport()
     ctx = mp.get_context("spawn")
@@ -158,42 +176,83 @@ def run_workload(options: DemoOptions, console: Console) -> DemoReport:
                 report.agent = client.stats()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if options.fs_dir is not None:
+            shutil.rmtree(options.fs_dir, ignore_errors=True)
     report.clients.sort(key=lambda c: c.client)
     return report
 
 
 def render(report: DemoReport, console: Console) -> None:
     table = Table(title="kvtier demo: clients sharing one node agent")
-    for col in ("client", "turns", "hit rate", "prefill tokens avoided", "stored", "loaded"):
+    columns = ("client", "turns", "hit rate", "hits host/fs", "prefill avoided", "stored", "loaded")
+    for col in columns:
         table.add_column(col, justify="right")
-    for c in report.clients:
-        rate = c.chunks_hit / c.chunks_looked_up if c.chunks_looked_up else 0.0
+
+    def add(
+        name: str,
+        turns: int,
+        hit: int,
+        looked: int,
+        host: int,
+        fs: int,
+        cached: int,
+        prompt: int,
+        stored: int,
+        loaded: int,
+    ) -> None:
         table.add_row(
+            name,
+            str(turns),
+            f"{hit / looked if looked else 0:.1%}",
+            f"{host}/{fs}",
+            f"{cached / prompt if prompt else 0:.1%}",
+            format_bytes(stored),
+            format_bytes(loaded),
+        )
+
+    for c in report.clients:
+        add(
             str(c.client),
-            str(c.turns),
-            f"{rate:.1%}",
-            f"{c.cached_tokens:,} / {c.prompt_tokens:,}",
-            format_bytes(c.bytes_stored),
-            format_bytes(c.bytes_loaded),
+            c.turns,
+            c.chunks_hit,
+            c.chunks_looked_up,
+            c.hits_host,
+            c.hits_fs,
+            c.cached_tokens,
+            c.prompt_tokens,
+            c.bytes_stored,
+            c.bytes_loaded,
         )
     s = report.summary()
     table.add_section()
-    table.add_row(
+    add(
         "all",
-        str(s["turns"]),
-        f"{s['hit_rate']:.1%}",
-        f"{s['prefill_tokens_avoided']:,} / {s['prompt_tokens']:,}",
-        format_bytes(s["bytes_stored"]),
-        format_bytes(s["bytes_loaded"]),
+        s["turns"],
+        report.total("chunks_hit"),
+        report.total("chunks_looked_up"),
+        s["hits_from_host"],
+        s["hits_from_filesystem"],
+        s["prefill_tokens_avoided"],
+        s["prompt_tokens"],
+        s["bytes_stored"],
+        s["bytes_loaded"],
     )
     console.print(table)
     a = report.agent
     console.print(
+        f"prefill tokens avoided: {s['prefill_tokens_avoided']:,} of {s['prompt_tokens']:,}; "
+        f"{s['corrupt_loads']} corrupt loads\n"
         f"host tier: {a['chunks']} chunks in {a['slots']} slots "
         f"({format_bytes(a['used_bytes'])} of {format_bytes(a['capacity_bytes'])}), "
-        f"policy {a['policy']}, {a['evictions']} evictions, "
-        f"{s['corrupt_loads']} corrupt loads"
+        f"policy {a['policy']}, {a['evictions']} evictions"
     )
+    for t in a["tiers"]:
+        console.print(
+            f"{t['kind']} tier {t['name']}: {t['chunks']} chunks "
+            f"({format_bytes(t['used_bytes'])} of {format_bytes(t['capacity_bytes'])}), "
+            f"{t.get('writebacks', 0)} written back, {t.get('promotions', 0)} promoted, "
+            f"{t.get('dropped', 0)} write-backs dropped"
+        )
 
 
 def run_demo(options: DemoOptions) -> int:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -57,9 +58,21 @@ def test_missing_config_file(scratch: Path) -> None:
     assert proc.returncode == 2 and "fix: pass an existing file" in proc.stderr
 
 
-def test_demo_json_reports_hits_and_cleans_up() -> None:
+def test_demo_json_reports_hits_and_cleans_up(tmp_path: Path) -> None:
     before = set(os.listdir("/dev/shm"))
-    proc = run("demo", "--clients", "2", "--conversations", "2", "--turns", "3", "--json")
+    fs_dir = tmp_path / "demo-fs"
+    proc = run(
+        "demo",
+        "--clients",
+        "2",
+        "--conversations",
+        "2",
+        "--turns",
+        "3",
+        "--json",
+        "--fs-dir",
+        str(fs_dir),
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     summary = report["summary"]
@@ -72,11 +85,30 @@ def test_demo_json_reports_hits_and_cleans_up() -> None:
         c["chunks_loaded"] for c in report["clients"]
     )
     assert set(os.listdir("/dev/shm")) - before == set()
+    assert not fs_dir.exists()
 
 
-def test_demo_small_pool_evicts() -> None:
-    proc = run("demo", "--clients", "2", "--capacity", "4Mi", "--turns", "3", "--json")
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
-    assert report["summary"]["evictions"] > 0
-    assert report["agent"]["chunks"] <= report["agent"]["slots"]
+def test_demo_filesystem_tier_serves_what_the_small_pool_evicted(tmp_path: Path) -> None:
+    def demo(*extra: str) -> dict[str, Any]:
+        proc = run(
+            "demo",
+            "--clients",
+            "2",
+            "--capacity",
+            "4Mi",
+            "--turns",
+            "4",
+            "--json",
+            "--fs-dir",
+            str(tmp_path / "fs"),
+            *extra,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return dict(json.loads(proc.stdout))
+
+    tiered, host_only = demo(), demo("--no-fs")
+    assert tiered["summary"]["evictions"] > 0
+    assert tiered["summary"]["hits_from_filesystem"] > 0
+    assert tiered["agent"]["tiers"][0]["promotions"] > 0
+    assert host_only["summary"]["hits_from_filesystem"] == 0
+    assert tiered["summary"]["hit_rate"] > host_only["summary"]["hit_rate"]
