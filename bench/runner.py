@@ -59,18 +59,53 @@ def render_host(result: dict[str, Any], console: Console) -> None:
     )
 
 
-def run_benchmark(target: str, quick: bool, as_json: bool, out: Path | None) -> int:
-    if target != "host":
-        raise SystemExit(f"unknown benchmark {target!r}")
-    from kvtier.bench import host
+def render_tiers(result: dict[str, Any], console: Console) -> None:
+    fs, s3 = result["filesystem"], result["s3"]
+    table = Table(title="secondary tiers vs raw I/O, GB/s (same run)")
+    for col in ("tier", "op", "kvtier", "baseline", "GB/s", "ratio"):
+        table.add_column(col, justify="right")
 
-    result = {**host.run(quick), "machine": _machine()}
+    def add(tier: str, op: str, ours: float, name: str, theirs: float | None) -> None:
+        if theirs is None:
+            table.add_row(tier, op, f"{ours:.2f}", name, "n/a", "n/a")
+        else:
+            table.add_row(tier, op, f"{ours:.2f}", name, f"{theirs:.2f}", f"{ours / theirs:.2f}")
+
+    add("fs", "write", fs["kvtier_write_gbps"], "raw files", fs["raw_write_gbps"])
+    add("fs", "write", fs["kvtier_write_gbps"], "vLLM native fs", fs["vllm_native_write_gbps"])
+    add("fs", "read", fs["kvtier_read_gbps"], "raw files", fs["raw_read_gbps"])
+    add("fs", "read", fs["kvtier_read_gbps"], "raw + xxh3", fs["raw_read_checksum_gbps"])
+    add("fs", "read", fs["kvtier_read_gbps"], "vLLM native fs", fs["vllm_native_read_gbps"])
+    add("s3", "put", s3["kvtier_put_gbps"], "boto3", s3["boto3_put_gbps"])
+    add("s3", "get", s3["kvtier_get_gbps"], "boto3", s3["boto3_get_gbps"])
+    console.print(table)
+    console.print(
+        f"filesystem: {fs['rows']} rows of {format_bytes(fs['row_bytes'])} in {fs['directory']}; "
+        f"S3: {s3['rows']} objects of {format_bytes(s3['row_bytes'])}, {s3['threads']} threads"
+    )
+    if fs["vllm_native_read_gbps"] is None:
+        console.print("vLLM native fs: no vLLM environment (make vllm-env, or KVTIER_VLLM_PYTHON)")
+
+
+def run_benchmark(target: str, quick: bool, as_json: bool, out: Path | None) -> int:
+    if target == "host":
+        from kvtier.bench import host
+
+        result = host.run(quick)
+        render = render_host
+    else:
+        from kvtier.bench import tiers
+
+        result = tiers.run(quick)
+        render = render_tiers
+    result["machine"] = _machine()
     path = out or Path(".scratch/bench") / f"{target}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     if as_json:
         print(json.dumps(result, indent=2))
     else:
-        render_host(result, Console())
+        render(result, Console())
+        sys.stdout.flush()
         print(f"JSON written to {path}", file=sys.stderr)
     return 0

@@ -106,7 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure throughput and latency against raw baselines",
         description="Benchmarks report ratios against a baseline measured in the same run.",
     )
-    bench.add_argument("target", choices=["host"], help="host: the client<->agent pool path")
+    bench.add_argument(
+        "target",
+        choices=["host", "tiers"],
+        help="host: the client<->agent pool path; tiers: filesystem and S3 tiers",
+    )
     bench.add_argument("--quick", action="store_true", help="short run (under a minute)")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
     bench.add_argument(
