@@ -23,8 +23,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import boto3
-
 from kvtier.agent.chunk import ChunkHeader, checksum
 from kvtier.agent.config import FilesystemTierConfig, ObjectStoreTierConfig
 from kvtier.agent.pool import Bytes
@@ -58,56 +56,60 @@ def vllm_python() -> Path | None:
     return None
 
 
+def _fs_round(
+    root: Path, r: int, src_rows: list[memoryview], dst_rows: list[memoryview]
+) -> dict[str, float]:
+    size = sum(len(v) for v in src_rows)
+    raw_dir, kv_dir = root / f"raw-{r}", root / f"kvtier-{r}"
+    raw_dir.mkdir(parents=True)
+    tier = FilesystemTier(
+        "bench", FilesystemTierConfig(path=kv_dir, capacity=4 * size, fsync=False)
+    )
+    headers = _headers(f"bench-{r}", src_rows)
+    paths = [raw_dir / f"{i:08x}" for i in range(len(src_rows))]
+
+    def raw_write() -> None:
+        for path, view in zip(paths, src_rows, strict=True):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(fd, view)
+            os.close(fd)
+
+    def raw_read(verify: bool) -> None:
+        for path, view in zip(paths, dst_rows, strict=True):
+            fd = os.open(path, os.O_RDONLY)
+            os.readv(fd, [view])
+            os.close(fd)
+            if verify:  # what any reader that verifies must add: hash what it read
+                checksum(view)
+
+    def kv_write() -> None:
+        for header, view in zip(headers, src_rows, strict=True):
+            tier.write(header, view)
+
+    def kv_read() -> None:
+        for header, view in zip(headers, dst_rows, strict=True):
+            if tier.read_into(header.namespace, header.key, view) is None:
+                raise RuntimeError("kvtier filesystem tier lost a chunk")
+
+    result = {
+        "raw_w": _timed(raw_write, size),
+        "kv_w": _timed(kv_write, size),
+        "raw_r": _timed(lambda: raw_read(False), size),
+        "raw_rv": _timed(lambda: raw_read(True), size),
+        "kv_r": _timed(kv_read, size),
+    }
+    shutil.rmtree(raw_dir)
+    shutil.rmtree(kv_dir)
+    return result
+
+
 def fs_cases(root: Path, row: int, rows: int, rounds: int) -> dict[str, Any]:
     src, dst = shared_buffer(row * rows), shared_buffer(row * rows)
     src_rows, dst_rows = _rows(src, row, rows), _rows(dst, row, rows)
-    size = row * rows
     results: dict[str, list[float]] = {k: [] for k in ("raw_w", "raw_r", "raw_rv", "kv_w", "kv_r")}
     for r in range(rounds):
-        raw_dir, kv_dir = root / f"raw-{r}", root / f"kvtier-{r}"
-        raw_dir.mkdir(parents=True)
-        tier = FilesystemTier(
-            "bench", FilesystemTierConfig(path=kv_dir, capacity=4 * size, fsync=False)
-        )
-        headers = _headers(f"bench-{r}", src_rows)
-        paths = [raw_dir / f"{i:08x}" for i in range(rows)]
-
-        def raw_write() -> None:
-            for path, view in zip(paths, src_rows, strict=True):
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.write(fd, view)
-                os.close(fd)
-
-        def raw_read() -> None:
-            for path, view in zip(paths, dst_rows, strict=True):
-                fd = os.open(path, os.O_RDONLY)
-                os.readv(fd, [view])
-                os.close(fd)
-
-        def raw_read_verified() -> None:
-            """What any reader that verifies must do: read, then hash what it read."""
-            for path, view in zip(paths, dst_rows, strict=True):
-                fd = os.open(path, os.O_RDONLY)
-                os.readv(fd, [view])
-                os.close(fd)
-                checksum(view)
-
-        def kv_write() -> None:
-            for header, view in zip(headers, src_rows, strict=True):
-                tier.write(header, view)
-
-        def kv_read() -> None:
-            for header, view in zip(headers, dst_rows, strict=True):
-                if tier.read_into(header.namespace, header.key, view) is None:
-                    raise RuntimeError("kvtier filesystem tier lost a chunk")
-
-        results["raw_w"].append(_timed(raw_write, size))
-        results["kv_w"].append(_timed(kv_write, size))
-        results["raw_r"].append(_timed(raw_read, size))
-        results["raw_rv"].append(_timed(raw_read_verified, size))
-        results["kv_r"].append(_timed(kv_read, size))
-        shutil.rmtree(raw_dir)
-        shutil.rmtree(kv_dir)
+        for name, gbps in _fs_round(root, r, src_rows, dst_rows).items():
+            results[name].append(gbps)
     med = {k: statistics.median(v) for k, v in results.items()}
     out: dict[str, Any] = {
         "row_bytes": row,
@@ -175,6 +177,43 @@ def s3_endpoint(endpoint: str | None) -> Iterator[str]:
         proc.wait(10)
 
 
+def _s3_round(
+    tier: ObjectStoreTier,
+    pool: ThreadPoolExecutor,
+    r: int,
+    src_rows: list[memoryview],
+    dst_rows: list[memoryview],
+) -> dict[str, float]:
+    s3, bucket = tier.s3, tier.bucket  # the same client settings for the raw baseline
+    headers = _headers(f"bench-{r}", src_rows)
+    names = [f"raw-{r}/{i:08x}" for i in range(len(src_rows))]
+
+    def raw_put(i: int) -> None:
+        s3.put_object(Bucket=bucket, Key=names[i], Body=bytes(src_rows[i]))
+
+    def raw_get(i: int) -> None:
+        body = s3.get_object(Bucket=bucket, Key=names[i])["Body"].read()
+        dst_rows[i][: len(body)] = body
+
+    def kv_put(i: int) -> None:
+        tier.write(headers[i], src_rows[i])
+
+    def kv_get(i: int) -> None:
+        if tier.read_into(headers[i].namespace, headers[i].key, dst_rows[i]) is None:
+            raise RuntimeError("kvtier object-store tier lost a chunk")
+
+    def parallel(fn: Callable[[int], None]) -> Callable[[], object]:
+        return lambda: list(pool.map(fn, range(len(src_rows))))
+
+    size = sum(len(v) for v in src_rows)
+    return {
+        "raw_put": _timed(parallel(raw_put), size),
+        "kv_put": _timed(parallel(kv_put), size),
+        "raw_get": _timed(parallel(raw_get), size),
+        "kv_get": _timed(parallel(kv_get), size),
+    }
+
+
 def s3_cases(endpoint: str, row: int, rows: int, threads: int, rounds: int) -> dict[str, Any]:
     creds = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
     os.environ.setdefault("AWS_ACCESS_KEY_ID", creds["aws_access_key_id"])
@@ -188,38 +227,14 @@ def s3_cases(endpoint: str, row: int, rows: int, threads: int, rounds: int) -> d
         timeout_seconds=30,
     )
     tier = ObjectStoreTier("bench", config)
-    s3 = tier.s3  # the same client settings (pool size, timeouts) for the raw baseline
-    s3.create_bucket(Bucket=bucket)
+    tier.s3.create_bucket(Bucket=bucket)
     src, dst = shared_buffer(row * rows), shared_buffer(row * rows)
     src_rows, dst_rows = _rows(src, row, rows), _rows(dst, row, rows)
-    size = row * rows
     pool = ThreadPoolExecutor(threads)
     results: dict[str, list[float]] = {k: [] for k in ("raw_put", "raw_get", "kv_put", "kv_get")}
     for r in range(rounds):
-        headers = _headers(f"bench-{r}", src_rows)
-        names = [f"raw-{r}/{i:08x}" for i in range(rows)]
-
-        def raw_put(i: int) -> None:
-            s3.put_object(Bucket=bucket, Key=names[i], Body=bytes(src_rows[i]))
-
-        def raw_get(i: int) -> None:
-            body = s3.get_object(Bucket=bucket, Key=names[i])["Body"].read()
-            dst_rows[i][: len(body)] = body
-
-        def kv_put(i: int) -> None:
-            tier.write(headers[i], src_rows[i])
-
-        def kv_get(i: int) -> None:
-            if tier.read_into(headers[i].namespace, headers[i].key, dst_rows[i]) is None:
-                raise RuntimeError("kvtier object-store tier lost a chunk")
-
-        for name, fn in (
-            ("raw_put", raw_put),
-            ("kv_put", kv_put),
-            ("raw_get", raw_get),
-            ("kv_get", kv_get),
-        ):
-            results[name].append(_timed(lambda fn=fn: list(pool.map(fn, range(rows))), size))
+        for name, gbps in _s3_round(tier, pool, r, src_rows, dst_rows).items():
+            results[name].append(gbps)
     pool.shutdown()
     tier.close()
     med = {k: statistics.median(v) for k, v in results.items()}
