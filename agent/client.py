@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import os
 import struct
+import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ class AgentClient:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
         self._rids = itertools.count(1)
+        self._io_lock = threading.Lock()
         self._lock: ClientLock | None = None
         self.pool: PoolMap | None = None
         self.hello: p.HelloReply | None = None
@@ -90,14 +92,16 @@ class AgentClient:
     # --- connection ----------------------------------------------------------------------
 
     def connect(self) -> AgentClient:
-        """Say hello and map the pool. Safe to call again after the agent restarted."""
+        """Say hello and map the pool. Call again after the agent restarted: a pool file
+        that was recreated (another geometry) is mapped anew."""
         if self._lock is None:
             self._lock = ClientLock(self.run_dir / "clients", self.client_id)
         reply = self._call(p.Hello(self.client_id, self._lock.path.name), p.HelloReply)
-        if self.pool is None or str(self.pool.path) != reply.pool:
+        path = Path(reply.pool)
+        if self.pool is None or self.pool.path != path or self.pool.inode != path.stat().st_ino:
             if self.pool is not None:
                 self.pool.close()
-            self.pool = PoolMap.open(Path(reply.pool))
+            self.pool = PoolMap.open(path)
         self.hello = reply
         return self
 
@@ -217,10 +221,16 @@ class AgentClient:
     def _send(self, request: p.Request) -> None:
         """Send a one-way request. If the agent is gone it is dropped: the agent releases the
         lease by itself (timeout or dead client), so nothing waits on it."""
-        with contextlib.suppress(zmq.Again):
+        with self._io_lock, contextlib.suppress(zmq.Again):
             self._socket().send_multipart([p.ONE_WAY, p.encode(request)], flags=zmq.NOBLOCK)
 
     def _call(self, request: p.Request, expect: type[Any]) -> Any:
+        # One request at a time on the socket, so threads may share a client; copies of
+        # chunk bytes happen outside this lock.
+        with self._io_lock:
+            return self._call_locked(request, expect)
+
+    def _call_locked(self, request: p.Request, expect: type[Any]) -> Any:
         sock = self._socket()
         rid = _RID.pack(next(self._rids))
         sock.send_multipart([rid, p.encode(request)])
@@ -236,6 +246,7 @@ class AgentClient:
             return reply
         sock.close(linger=0)
         self._sock = None
+        self.hello = None  # a restarted agent needs a new hello before anything else
         raise AgentUnavailable(
             f"agent at {self.endpoint} did not answer within {self.timeout_ms} ms"
         )

@@ -82,6 +82,7 @@ class PoolMap:
         try:
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             self._mmap = mmap.mmap(fd, geometry.file_bytes, flags=flags)
+            self.inode = os.fstat(fd).st_ino
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)

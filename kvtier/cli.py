@@ -4,6 +4,7 @@ does the work, so importing the CLI stays cheap and `--help` never starts anythi
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,21 @@ def _agent(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
+    return 0
+
+
+def _vllm_config(args: argparse.Namespace) -> int:
+    from kvtier.agent.config import ConfigError, load_config
+    from kvtier.agent.transfer_config import build_kv_transfer_config, kv_transfer_config_arg
+    from kvtier.agent.units import parse_bytes
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    built = build_kv_transfer_config(config, cpu_bytes_to_use=parse_bytes(args.cpu_bytes))
+    print(kv_transfer_config_arg(built) if args.compact else json.dumps(built, indent=2))
     return 0
 
 
@@ -75,6 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="validate the config (and its directories), print it with defaults, and exit",
     )
     agent.set_defaults(func=_agent)
+
+    vllm_config = sub.add_parser(
+        "vllm-config",
+        help="print the --kv-transfer-config for vLLM engines on an agent's node",
+        description="Print the --kv-transfer-config JSON that connects a vLLM engine to the "
+        "agent described by a config file (what the operator injects into pods).",
+    )
+    vllm_config.add_argument("--config", required=True, type=Path, help="agent config YAML")
+    vllm_config.add_argument(
+        "--cpu-bytes", default="4Gi", help="vLLM's own per-engine host buffer (default 4Gi)"
+    )
+    vllm_config.add_argument(
+        "--compact", action="store_true", help="one line, ready for --kv-transfer-config"
+    )
+    vllm_config.set_defaults(func=_vllm_config)
 
     demo = sub.add_parser(
         "demo",

@@ -14,13 +14,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
+import importlib.util
+import os
+
 import pytest
 
 from kvtier.agent.config import AgentConfig, parse_config
 from kvtier.agent.process import AgentProcess
 
 ROW = 64 * 1024
+
+# tests/vllm needs vLLM, which lives in its own environment (.venv-vllm): `make test` runs
+# them there, with the agent started by the kvtier environment's interpreter.
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore = ["vllm"]
+AGENT_PYTHON = os.environ.get("KVTIER_AGENT_PYTHON")
 
 
 @pytest.fixture
@@ -60,7 +68,7 @@ def agent_factory() -> Iterator[Callable[[AgentConfig], AgentProcess]]:
     started: list[AgentProcess] = []
 
     def start(config: AgentConfig) -> AgentProcess:
-        proc = AgentProcess(config).start()
+        proc = AgentProcess(config, python=AGENT_PYTHON).start()
         started.append(proc)
         return proc
 
@@ -117,6 +125,8 @@ def s3_bucket(s3_server: str, scratch: Path) -> dict[str, Any]:
     creds.mkdir()
     (creds / "accessKeyId").write_text("kvtier-test\n")
     (creds / "secretAccessKey").write_text("kvtier-test-secret\n")
+    import boto3
+
     bucket = f"kv-{uuid.uuid4().hex[:12]}"
     s3 = boto3.client(
         "s3",

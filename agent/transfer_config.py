@@ -1,0 +1,65 @@
+"""The `--kv-transfer-config` that makes a vLLM engine use the node agent.
+
+The operator's webhook injects exactly this JSON into selected pods; users without the
+operator print it with `kvtier vllm-config`. vLLM keeps its own per-engine host buffer
+(`cpu_bytes_to_use`) as the primary tier and calls the agent, through
+`kvtier.agent.vllm.KVTierSecondaryTier`, for everything behind it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvtier.agent.config import AgentConfig
+
+PLUGIN_MODULE = "kvtier.agent.vllm"
+PLUGIN_CLASS = "KVTierSecondaryTier"
+
+
+def build_kv_transfer_config(
+    agent: AgentConfig,
+    *,
+    cpu_bytes_to_use: int,
+    eviction_policy: str = "lru",
+    timeout_seconds: float = 2.0,
+    copy_threads: int = 4,
+    enable_kv_events: bool = True,
+    spec_module_path: str | None = None,
+) -> dict[str, Any]:
+    """The connector config for an engine on `agent`'s node.
+
+    `canonical_layout` makes a row independent of tensor parallelism, so engines with
+    different TP sizes share chunks. `spec_module_path` replaces vLLM's spec module (used by
+    the CPU test harness only).
+    """
+    if cpu_bytes_to_use <= 0:
+        raise ValueError("cpu_bytes_to_use must be positive: vLLM's own host tier needs room")
+    extra: dict[str, Any] = {
+        "spec_name": "TieringOffloadingSpec",
+        "canonical_layout": True,
+        "cpu_bytes_to_use": cpu_bytes_to_use,
+        "eviction_policy": eviction_policy,
+        "secondary_tiers": [
+            {
+                "type": PLUGIN_CLASS,
+                "module_path": PLUGIN_MODULE,
+                "agent": agent.endpoint,
+                "timeout_seconds": timeout_seconds,
+                "copy_threads": copy_threads,
+                "enable_kv_events": enable_kv_events,
+            }
+        ],
+    }
+    if spec_module_path is not None:
+        extra["spec_module_path"] = spec_module_path
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def kv_transfer_config_arg(config: dict[str, Any]) -> str:
+    """The value of vLLM's `--kv-transfer-config` flag (compact JSON)."""
+    return json.dumps(config, separators=(",", ":"), sort_keys=True)

@@ -1,0 +1,399 @@
+"""kvtier as a secondary tier of vLLM's tiered KV offloading.
+
+vLLM loads this module inside its scheduler process from the `--kv-transfer-config`
+(`"type": "KVTierSecondaryTier", "module_path": "kvtier.agent.vllm"`). Everything here runs
+in vLLM's own environment and imports only what vLLM already has (numpy, pyzmq, msgspec).
+
+Nothing blocks the scheduler: lookups are batched into one agent round trip per scheduler
+step on vLLM's async-lookup thread (answering RETRY until the batch returns), and stores and
+loads copy rows between vLLM's primary host buffer and the agent's shared pool on worker
+threads, reporting through `get_finished_jobs`. An agent that is unreachable or restarting
+turns lookups into misses and stores into dropped jobs, counted and logged once per outage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any, ClassVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
+
+log = logging.getLogger("kvtier.vllm")
+
+FINGERPRINT_VERSION = 1
+
+
+class Metrics:
+    """Names of the Prometheus series this tier adds to vLLM's."""
+
+    LOOKUPS = "vllm:kvtier_lookup_keys"
+    HITS = "vllm:kvtier_lookup_hits"
+    STORE_BYTES = "vllm:kvtier_store_bytes"
+    LOAD_BYTES = "vllm:kvtier_load_bytes"
+    STORE_SECONDS = "vllm:kvtier_store_seconds"
+    LOAD_SECONDS = "vllm:kvtier_load_seconds"
+    FAILED_JOBS = "vllm:kvtier_failed_jobs"
+    AGENT_AVAILABLE = "vllm:kvtier_agent_available"
+
+
+_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+
+def run_fingerprint(offloading_spec: Any) -> dict[str, Any]:
+    """What two engines must agree on for their chunks to be interchangeable.
+
+    The block-hash seed is represented by a digest of vLLM's NONE_HASH, which covers both
+    the hash algorithm and the PYTHONHASHSEED-derived seed; it is only set once the engine
+    core has started, which is why the fingerprint is computed on first use.
+    """
+    config = offloading_spec.config
+    fields: dict[str, Any] = {
+        "version": FINGERPRINT_VERSION,
+        "model": config.model.name,
+        "dtype": str(config.model.dtype),
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "row_bytes": int(getattr(offloading_spec, "kv_bytes_per_chunk", 0)),
+        "groups": [
+            {"tokens_per_block": g.tokens_per_block, "layers": len(g.layer_names)}
+            for g in config.groups
+        ],
+    }
+    parallel = config.parallel
+    if getattr(config, "canonical_layout", False):
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
+            canonical_format_id,
+        )
+
+        fields["canonical_format"] = canonical_format_id(config.kv_cache_layout)
+    elif not parallel.is_parallelism_agnostic:
+        # Without the canonical layout a row depends on how the model is sharded.
+        fields["parallel"] = [parallel.tp_size, parallel.pp_size, parallel.rank]
+    from vllm.v1.core import kv_cache_utils
+
+    none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
+    fields["none_hash"] = (
+        hashlib.sha256(bytes(none_hash)).hexdigest()[:16] if none_hash is not None else "unset"
+    )
+    return fields
+
+
+def namespace_of(fingerprint: dict[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+    model = "".join(c if c.isalnum() or c in "._-" else "_" for c in fingerprint["model"])
+    return f"{model[-40:]}-{digest[:20]}"
+
+
+class _AgentLookup(AsyncLookupManager):
+    """vLLM's async-lookup helper: one batch per scheduler step, on its own thread."""
+
+    def __init__(self, tier: KVTierSecondaryTier) -> None:
+        super().__init__(tier_type=tier.tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return self._tier.agent_lookup(keys)
+
+
+class KVTierSecondaryTier(SecondaryTierManager):
+    """The node's kvtier agent as one secondary tier of vLLM's TieringOffloadingSpec."""
+
+    medium: ClassVar[Medium] = Medium.CPU
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            Metrics.LOOKUPS: OffloadingCounterMetadata("Chunk keys looked up in the agent."),
+            Metrics.HITS: OffloadingCounterMetadata("Chunk keys the agent held."),
+            Metrics.STORE_BYTES: OffloadingCounterMetadata("Bytes copied into the agent."),
+            Metrics.LOAD_BYTES: OffloadingCounterMetadata("Bytes copied from the agent."),
+            Metrics.STORE_SECONDS: OffloadingHistogramMetadata(
+                "Duration of one store job into the agent.", buckets=_SECONDS_BUCKETS
+            ),
+            Metrics.LOAD_SECONDS: OffloadingHistogramMetadata(
+                "Duration of one load job from the agent.", buckets=_SECONDS_BUCKETS
+            ),
+            Metrics.FAILED_JOBS: OffloadingCounterMetadata(
+                "Store or load jobs that failed (agent unavailable or refused).", ("op",)
+            ),
+            Metrics.AGENT_AVAILABLE: OffloadingGaugeMetadata(
+                "1 while the node agent answers, 0 during an outage."
+            ),
+        }
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        agent: str,
+        timeout_seconds: float = 2.0,
+        copy_threads: int = 4,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
+        backpressure_detector: Any = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else Locality.LOCAL
+        self._rows = np.asarray(primary_kv_view).view(np.uint8)
+        self._row_bytes = self._rows.shape[1]
+        self._client = AgentClient(agent, timeout=timeout_seconds)
+        self._copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
+        self._running: set[Future[None]] = set()
+        self._running_lock = threading.Lock()
+        self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        self._failed_loads: queue.SimpleQueue[list[OffloadKey]] = queue.SimpleQueue()
+        self._events: list[OffloadingEvent] | None = [] if enable_kv_events else None
+        self._events_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._stats: list[tuple[str, str, float, tuple[str, ...]]] = []
+        self._namespace: str | None = None
+        self._available: bool | None = None
+        self._refusals: set[str] = set()
+        self._lookup = _AgentLookup(self)
+        log.info("kvtier tier %s: agent %s, rows of %d bytes", tier_type, agent, self._row_bytes)
+
+    # --- the agent connection (worker threads only) ---------------------------------------
+
+    @property
+    def namespace(self) -> str:
+        if self._namespace is None:
+            fingerprint = run_fingerprint(self._offloading_spec)
+            self._namespace = namespace_of(fingerprint)
+            log.info("kvtier namespace %s for %s", self._namespace, json.dumps(fingerprint))
+        return self._namespace
+
+    def _connected(self) -> AgentClient:
+        if self._client.hello is None:
+            self._client.connect()
+            if self._client.slot_bytes < self._row_bytes:
+                raise AgentRefused(
+                    f"agent slots hold {self._client.slot_bytes} bytes but vLLM rows are "
+                    f"{self._row_bytes}; set the KVCacheTier's chunk size (host.chunkBytes) "
+                    f"to at least {self._row_bytes}"
+                )
+        return self._client
+
+    def _set_available(self, available: bool, reason: str = "") -> None:
+        if available != self._available:
+            if available:
+                log.info("kvtier agent %s is available", self._client.endpoint)
+            else:
+                log.warning(
+                    "kvtier agent %s unavailable, serving misses: %s", self._client.endpoint, reason
+                )
+            self._available = available
+        self._record("gauge", Metrics.AGENT_AVAILABLE, 1.0 if available else 0.0)
+
+    def agent_lookup(self, keys: list[OffloadKey]) -> list[bool]:
+        try:
+            hits = self._connected().lookup(self.namespace, [bytes(k) for k in keys]).hits
+        except AgentUnavailable as exc:
+            self._client.hello = None
+            self._set_available(False, str(exc))
+            return [False] * len(keys)
+        self._set_available(True)
+        self._record("counter", Metrics.LOOKUPS, len(keys))
+        self._record("counter", Metrics.HITS, sum(hits))
+        return hits
+
+    # --- SecondaryTierManager -------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self._lookup.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookup.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        while True:
+            try:
+                self._lookup.mark_miss(self._failed_loads.get_nowait())
+            except queue.Empty:
+                break
+        self._lookup.flush()
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(self._store, job_metadata)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(self._load, job_metadata)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        while True:
+            try:
+                results.append(self._finished.get_nowait())
+            except queue.Empty:
+                return results
+
+    def has_pending_work(self) -> bool:
+        with self._running_lock:
+            return bool(self._running)
+
+    def drain_jobs(self) -> None:
+        """Wait for every copy in flight; none is ever cut short."""
+        with self._running_lock:
+            running = list(self._running)
+        wait_futures(running)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events is None:
+            return []
+        with self._events_lock:
+            events, self._events = self._events, []
+        return events
+
+    def get_stats(self) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        with self._stats_lock:
+            observations, self._stats = self._stats, []
+        if not observations:
+            return None
+        stats = OffloadingConnectorStats()
+        for kind, name, value, labels in observations:
+            if kind == "counter":
+                stats.increase_counter(name, value, labels)
+            elif kind == "gauge":
+                stats.set_gauge(name, value, labels)
+            else:
+                stats.observe_histogram(name, value, labels)
+        return stats
+
+    def shutdown(self) -> None:
+        self.drain_jobs()
+        self._copiers.shutdown(wait=True)
+        self._lookup.shutdown()
+        self._client.close()
+        del self._rows  # vLLM can only unmap its buffer once no view of it is left
+
+    # --- jobs (worker threads) ------------------------------------------------------------
+
+    def _submit(self, work: Any, job: TransferJob) -> None:
+        future = self._copiers.submit(work, job)
+        with self._running_lock:
+            self._running.add(future)
+        future.add_done_callback(self._job_done)
+
+    def _job_done(self, future: Future[None]) -> None:
+        with self._running_lock:
+            self._running.discard(future)
+
+    def _store(self, job: TransferJob) -> None:
+        started = time.perf_counter()
+        keys = [bytes(k) for k in job.keys]
+        try:
+            client = self._connected()
+            grant = client.allocate(self.namespace, keys, self._row_bytes)
+            stored = [k for k, s in zip(keys, grant.slots, strict=True) if s >= 0]
+            if grant.lease:
+                for slot, chunk in zip(grant.slots, job.chunk_ids, strict=True):
+                    if slot >= 0:
+                        np.copyto(client.slot(slot, self._row_bytes), self._rows[int(chunk)])
+                client.commit(grant.lease)
+        except AgentUnavailable as exc:
+            self._job_failed(job, "store", exc)
+            return
+        self._set_available(True)
+        seconds = time.perf_counter() - started
+        nbytes = len(stored) * self._row_bytes
+        self._record("counter", Metrics.STORE_BYTES, nbytes)
+        self._record("histogram", Metrics.STORE_SECONDS, seconds)
+        if self._events is not None and stored:
+            with self._events_lock:
+                self._events.append(
+                    OffloadingEvent(
+                        keys=[OffloadKey(k) for k in stored],
+                        medium=self.medium,
+                        removed=False,
+                        locality=self.locality,
+                    )
+                )
+        self._finished.put(JobResult(job.job_id, True, None, seconds, nbytes))
+
+    def _load(self, job: TransferJob) -> None:
+        started = time.perf_counter()
+        keys = list(job.keys)
+        try:
+            client = self._connected()
+            grant = client.begin_load(self.namespace, [bytes(k) for k in keys])
+            try:
+                for slot, chunk in zip(grant.slots, job.chunk_ids, strict=True):
+                    if slot >= 0:
+                        np.copyto(self._rows[int(chunk)], client.slot(slot, self._row_bytes))
+            finally:
+                if grant.lease:
+                    client.end_load(grant.lease)
+        except AgentUnavailable as exc:
+            self._failed_loads.put(keys)
+            self._job_failed(job, "load", exc)
+            return
+        self._set_available(True)
+        loaded = [k for k, s in zip(keys, grant.slots, strict=True) if s >= 0]
+        seconds = time.perf_counter() - started
+        nbytes = len(loaded) * self._row_bytes
+        self._record("counter", Metrics.LOAD_BYTES, nbytes)
+        self._record("histogram", Metrics.LOAD_SECONDS, seconds)
+        if len(loaded) == len(keys):
+            self._finished.put(JobResult(job.job_id, True, None, seconds, nbytes))
+            return
+        # Evicted between lookup and load: keep what arrived, recompute the rest.
+        arrived = set(loaded)
+        self._failed_loads.put([k for k in keys if k not in arrived])
+        self._record("counter", Metrics.FAILED_JOBS, 1, ("load",))
+        self._finished.put(JobResult(job.job_id, False, tuple(loaded) or None, seconds, nbytes))
+
+    def _job_failed(self, job: TransferJob, op: str, exc: Exception) -> None:
+        if isinstance(exc, AgentRefused):
+            if str(exc) not in self._refusals:  # a configuration error: say it once
+                self._refusals.add(str(exc))
+                log.error("kvtier agent refused a %s: %s", op, exc)
+        else:
+            self._client.hello = None
+            self._set_available(False, str(exc))
+        self._record("counter", Metrics.FAILED_JOBS, 1, (op,))
+        self._finished.put(JobResult(job.job_id, False))
+
+    def _record(self, kind: str, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        with self._stats_lock:
+            self._stats.append((kind, name, value, labels))
+
+
+__all__ = ["KVTierSecondaryTier", "namespace_of", "run_fingerprint"]

@@ -1,0 +1,123 @@
+"""kvtier loaded by vLLM's own TieringOffloadingSpec, through the injected config."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+from vllm.v1.kv_offload.base import LookupResult, Medium
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+from kvtier.agent.client import AgentClient
+from kvtier.agent.config import AgentConfig
+from kvtier.agent.process import AgentProcess
+from kvtier.agent.vllm import KVTierSecondaryTier
+from tests.vllm.harness import Engine, chunk_key, chunk_row
+
+HIT, MISS, RETRY, PENDING = (
+    LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY, LookupResult.HIT_PENDING
+)
+MakeEngine = Callable[..., Engine]
+StartAgent = Callable[[AgentConfig], AgentProcess]
+
+
+def test_factory_loads_the_tier_from_the_injected_config(
+    agent_config: AgentConfig, agent_factory: StartAgent, engines: MakeEngine
+) -> None:
+    agent_factory(agent_config)
+    engine = engines(agent_config)
+    tier_config = engine.transfer_config["kv_connector_extra_config"]["secondary_tiers"][0]
+    assert SecondaryTierFactory.get_tier_class(tier_config) is KVTierSecondaryTier
+    assert isinstance(engine.tier, KVTierSecondaryTier)
+
+
+def test_store_reset_lookup_promote_byte_identical(
+    agent_config: AgentConfig, agent_factory: StartAgent, engines: MakeEngine
+) -> None:
+    agent_factory(agent_config)
+    engine = engines(agent_config)
+    ids = list(range(6))
+    engine.store(ids)
+    with AgentClient(agent_config.endpoint) as client:
+        assert client.stats()["chunks"] == 6
+    engine.reset_primary()
+    answers, trace = engine.lookup(ids)
+    assert trace[0] == [RETRY] * 6  # the agent is asked off the scheduler thread
+    assert any(PENDING in step for step in trace)  # then promotion into vLLM's buffer
+    assert answers == [HIT] * 6
+    for i, row in zip(ids, engine.read(ids), strict=True):
+        assert np.array_equal(row, chunk_row(i))
+
+
+def test_two_engines_share_chunks_through_one_agent(
+    agent_config: AgentConfig, agent_factory: StartAgent, engines: MakeEngine
+) -> None:
+    agent_factory(agent_config)
+    first, second = engines(agent_config), engines(agent_config)
+    first.store([10, 11, 12])
+    answers, _ = second.lookup([10, 11, 12, 13])
+    assert answers == [HIT, HIT, HIT, MISS]
+    assert all(
+        np.array_equal(row, chunk_row(i))
+        for i, row in zip([10, 11, 12], second.read([10, 11, 12]), strict=True)
+    )
+
+
+def test_other_fingerprint_gets_no_hits_and_is_reported(
+    agent_config: AgentConfig, agent_factory: StartAgent, engines: MakeEngine
+) -> None:
+    agent_factory(agent_config)
+    fp16, bf16 = engines(agent_config), engines(agent_config, dtype="bfloat16")
+    fp16.store([1, 2])
+    answers, _ = bf16.lookup([1, 2])
+    assert answers == [MISS, MISS]
+    bf16.store([3])
+    with AgentClient(agent_config.endpoint) as client:
+        namespaces = client.stats()["namespaces"]
+    assert sorted(namespaces.values()) == [1, 2]
+    assert fp16.tier.namespace != bf16.tier.namespace
+    assert set(namespaces) == {fp16.tier.namespace, bf16.tier.namespace}
+
+
+def test_agent_killed_mid_job_then_restarted(
+    agent_config: AgentConfig, agent_factory: StartAgent, engines: MakeEngine
+) -> None:
+    agent = agent_factory(agent_config)
+    engine = engines(agent_config, timeout_seconds=0.5)
+    engine.store([1, 2, 3])
+    engine.reset_primary()
+    agent.kill()
+    started = time.monotonic()
+    answers, _ = engine.lookup([1, 2, 3])
+    assert answers == [MISS] * 3  # a miss, promptly, and no exception into vLLM
+    assert time.monotonic() - started < 10
+    engine.store([4])  # the cascade to kvtier fails cleanly; vLLM's own tier keeps it
+    assert engine.lookup([4])[0] == [HIT]
+
+    agent_factory(agent_config)  # same pool file: the restarted agent re-indexes it
+    engine.reset_primary()
+    answers, _ = engine.lookup([1, 2, 3])
+    assert answers == [HIT] * 3
+    assert all(
+        np.array_equal(row, chunk_row(i))
+        for i, row in zip([1, 2, 3], engine.read([1, 2, 3]), strict=True)
+    )
+
+
+def test_store_jobs_report_bytes_and_events(
+    agent_config: AgentConfig, agent_factory: StartAgent, engines: MakeEngine
+) -> None:
+    agent_factory(agent_config)
+    engine = engines(agent_config)
+    engine.store([1, 2])
+    events = list(engine.tier.take_events())
+    assert sorted(bytes(k) for e in events for k in e.keys) == sorted(
+        bytes(chunk_key(i)) for i in (1, 2)
+    )
+    assert all(e.medium is Medium.CPU and not e.removed for e in events)
+    stats = engine.tier.get_stats()
+    assert stats is not None
+    values = stats.data["data"]
+    assert values["vllm:kvtier_store_bytes"][()] == 2 * engine.rows.shape[1]
+    assert values["vllm:kvtier_agent_available"][()] == 1.0
