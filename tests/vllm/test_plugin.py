@@ -13,10 +13,13 @@ from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.vllm import KVTierSecondaryTier
-from tests.vllm.harness import Engine, chunk_key, chunk_row
+from kvtier.bench.vllm_scheduler import Engine, chunk_key, chunk_row
 
 HIT, MISS, RETRY, PENDING = (
-    LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY, LookupResult.HIT_PENDING
+    LookupResult.HIT,
+    LookupResult.MISS,
+    LookupResult.RETRY,
+    LookupResult.HIT_PENDING,
 )
 MakeEngine = Callable[..., Engine]
 StartAgent = Callable[[AgentConfig], AgentProcess]
@@ -27,7 +30,7 @@ def test_factory_loads_the_tier_from_the_injected_config(
 ) -> None:
     agent_factory(agent_config)
     engine = engines(agent_config)
-    tier_config = engine.transfer_config["kv_connector_extra_config"]["secondary_tiers"][0]
+    tier_config = engine.extra_config["secondary_tiers"][0]
     assert SecondaryTierFactory.get_tier_class(tier_config) is KVTierSecondaryTier
     assert isinstance(engine.tier, KVTierSecondaryTier)
 
