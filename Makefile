@@ -39,6 +39,10 @@ test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest tests
 	KVTIER_AGENT_PYTHON=$(CURDIR)/$(PY) $(VLLM_PY) -m pytest tests/vllm
 
+# Slow scenarios: real vLLM engine processes (CPU build, tiny model) using the agent.
+e2e: $(STAMP) $(VLLM_STAMP)
+	KVTIER_AGENT_PYTHON=$(CURDIR)/$(PY) $(VLLM_PY) -m pytest e2e
+
 # mypy must see the installed package layout (agent/ is kvtier.agent, ...): lay it out with
 # symlinks under .scratch and check the package from there.
 TYPECHECK := .scratch/typecheck

@@ -25,19 +25,20 @@ def build_kv_transfer_config(
     timeout_seconds: float = 2.0,
     copy_threads: int = 4,
     enable_kv_events: bool = True,
-    spec_module_path: str | None = None,
+    canonical_layout: bool = True,
+    spec: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """The connector config for an engine on `agent`'s node.
 
     `canonical_layout` makes a row independent of tensor parallelism, so engines with
-    different TP sizes share chunks. `spec_module_path` replaces vLLM's spec module (used by
-    the CPU test harness only).
+    different TP sizes share chunks. `spec` (module, class) replaces vLLM's
+    TieringOffloadingSpec with a subclass (the CPU test harness's).
     """
     if cpu_bytes_to_use <= 0:
         raise ValueError("cpu_bytes_to_use must be positive: vLLM's own host tier needs room")
     extra: dict[str, Any] = {
-        "spec_name": "TieringOffloadingSpec",
-        "canonical_layout": True,
+        "spec_name": spec[1] if spec else "TieringOffloadingSpec",
+        "canonical_layout": canonical_layout,
         "cpu_bytes_to_use": cpu_bytes_to_use,
         "eviction_policy": eviction_policy,
         "secondary_tiers": [
@@ -51,8 +52,8 @@ def build_kv_transfer_config(
             }
         ],
     }
-    if spec_module_path is not None:
-        extra["spec_module_path"] = spec_module_path
+    if spec is not None:
+        extra["spec_module_path"] = spec[0]
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
