@@ -32,8 +32,8 @@ $(VLLM_STAMP): pyproject.toml requirements/vllm.txt
 
 vllm-env: $(VLLM_STAMP)
 
-demo: $(STAMP)
-	$(VENV)/bin/kvtier demo
+demo: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/kvtier demo --vllm-python $(VLLM_PY)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest tests

@@ -60,6 +60,7 @@ def _demo(args: argparse.Namespace) -> int:
             policy=args.policy,
             capacity=args.capacity,
             fs_dir=None if args.no_fs else args.fs_dir,
+            vllm_python=args.vllm_python,
             as_json=args.json,
         )
     )
@@ -129,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default .scratch/demo-fs)",
     )
     demo.add_argument("--no-fs", action="store_true", help="run with the host tier alone")
+    demo.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="also run two vLLM engines sharing one agent, with this vLLM environment's "
+        "Python (make demo passes .venv-vllm/bin/python)",
+    )
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.set_defaults(func=_demo)
 

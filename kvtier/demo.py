@@ -41,6 +41,7 @@ class DemoOptions:
     policy: str = "lru"
     capacity: str = "12Mi"
     fs_dir: Path | None = Path(".scratch/demo-fs")
+    vllm_python: Path | None = None
     as_json: bool = False
 
 
@@ -258,17 +259,23 @@ def render(report: DemoReport, console: Console) -> None:
 def run_demo(options: DemoOptions) -> int:
     console = Console(stderr=options.as_json)
     report = run_workload(options, console)
+    engines = None
+    if options.vllm_python is not None:
+        from kvtier import demo_vllm
+
+        engines = demo_vllm.run_engines(options.vllm_python, console)
     if options.as_json:
-        print(
-            json.dumps(
-                {
-                    "summary": report.summary(),
-                    "clients": [asdict(c) for c in report.clients],
-                    "agent": report.agent,
-                },
-                indent=2,
-            )
-        )
+        document = {
+            "summary": report.summary(),
+            "clients": [asdict(c) for c in report.clients],
+            "agent": report.agent,
+        }
+        if engines is not None:
+            document["vllm"] = engines
+        print(json.dumps(document, indent=2))
     else:
         render(report, console)
-    return 1 if report.summary()["corrupt_loads"] else 0
+        if engines is not None:
+            demo_vllm.render(engines, console)
+    hits_b = engines["engines"][1]["external_hit_tokens"] if engines else 1
+    return 1 if report.summary()["corrupt_loads"] or not hits_b else 0
