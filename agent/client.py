@@ -156,6 +156,11 @@ class AgentClient:
     def end_load(self, lease: int) -> None:
         self._send(p.EndLoad(lease))
 
+    def events(self, namespace: str, after: int = 0) -> p.EventsReply:
+        """Chunks of `namespace` stored into or evicted from the pool since `after`."""
+        reply: p.EventsReply = self._call(p.Events(namespace, after), p.EventsReply)
+        return reply
+
     def stats(self) -> dict[str, Any]:
         reply: p.StatsReply = self._call(p.Stats(), p.StatsReply)
         return dict(reply.stats)

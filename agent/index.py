@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal, cast
 
 from kvtier.agent.chunk import ChunkHeader
+from kvtier.agent.events import ChunkEvents
 from kvtier.agent.policy import ChunkId, EvictionPolicy
 
 # Per-key answers of `allocate` that are not slot numbers.
@@ -78,6 +79,7 @@ class HostIndex:
         self._lease_ids = itertools.count(1)
         self._pending_hits: list[tuple[str, list[bytes], list[bool]]] = []
         self.counters = IndexCounters()
+        self.events = ChunkEvents()
 
     # --- queries -------------------------------------------------------------------------
 
@@ -294,11 +296,13 @@ class HostIndex:
         self._ready.setdefault(ns, {})[key] = entry
         self.policy.on_insert(entry.id)
         self.counters.namespaces[ns] += 1
+        self.events.record(ns, key, removed=False)
 
     def _forget(self, entry: Entry) -> None:
         ns, key = entry.id
         del self._by_ns[ns][key]
         del self._ready[ns][key]
+        self.events.record(ns, key, removed=True)
         self.counters.namespaces[ns] -= 1
         if not self.counters.namespaces[ns]:
             del self.counters.namespaces[ns]

@@ -62,7 +62,14 @@ class Stats(msgspec.Struct, tag="stats"):
     pass
 
 
-Request = Hello | Lookup | Allocate | Commit | Abort | BeginLoad | EndLoad | Stats
+class Events(msgspec.Struct, tag="events"):
+    """Chunks of a namespace stored into or evicted from the pool since sequence `after`."""
+
+    namespace: str
+    after: int
+
+
+Request = Hello | Lookup | Allocate | Commit | Abort | BeginLoad | EndLoad | Stats | Events
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply"):
@@ -101,11 +108,18 @@ class StatsReply(msgspec.Struct, tag="stats_reply"):
     stats: dict[str, object]
 
 
+class EventsReply(msgspec.Struct, tag="events_reply"):
+    seq: int
+    stored: list[bytes]
+    evicted: list[bytes]
+    truncated: bool
+
+
 class ErrorReply(msgspec.Struct, tag="error"):
     message: str
 
 
-Reply = HelloReply | LookupReply | LeaseReply | Ack | StatsReply | ErrorReply
+Reply = HelloReply | LookupReply | LeaseReply | Ack | StatsReply | EventsReply | ErrorReply
 
 _encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)

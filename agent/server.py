@@ -168,6 +168,10 @@ class Agent:
                 host.end_load(lease)
             case p.Hello(client, lock, protocol):
                 return self._hello(client, lock, protocol)
+            case p.Events(namespace, after):
+                with host.lock:
+                    batch = host.index.events.since(namespace, after)
+                return p.EventsReply(batch.seq, batch.stored, batch.evicted, batch.truncated)
             case p.Stats():
                 return p.StatsReply(
                     {

@@ -47,6 +47,7 @@ from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
 log = logging.getLogger("kvtier.vllm")
 
 FINGERPRINT_VERSION = 1
+EVENTS_POLL_SECONDS = 0.5
 
 
 class Metrics:
@@ -173,6 +174,9 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._failed_loads: queue.SimpleQueue[list[OffloadKey]] = queue.SimpleQueue()
         self._events: list[OffloadingEvent] | None = [] if enable_kv_events else None
         self._events_lock = threading.Lock()
+        self._events_after = 0
+        self._events_poll: Future[None] | None = None
+        self._next_events_poll = 0.0
         self._stats_lock = threading.Lock()
         self._stats: list[tuple[str, str, float, tuple[str, ...]]] = []
         self._namespace: str | None = None
@@ -246,6 +250,14 @@ class KVTierSecondaryTier(SecondaryTierManager):
             except queue.Empty:
                 break
         self._lookup.flush()
+        now = time.monotonic()
+        if (
+            self._events is not None
+            and now >= self._next_events_poll
+            and (self._events_poll is None or self._events_poll.done())
+        ):
+            self._next_events_poll = now + EVENTS_POLL_SECONDS
+            self._events_poll = self._copiers.submit(self._poll_events)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(self._store, job_metadata)
@@ -299,6 +311,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self.drain_jobs()
+        if self._events_poll is not None:
+            wait_futures([self._events_poll])
         self._copiers.shutdown(wait=True)
         self._lookup.shutdown()
         self._client.close()
@@ -336,16 +350,6 @@ class KVTierSecondaryTier(SecondaryTierManager):
         nbytes = len(stored) * self._row_bytes
         self._record("counter", Metrics.STORE_BYTES, nbytes)
         self._record("histogram", Metrics.STORE_SECONDS, seconds)
-        if self._events is not None and stored:
-            with self._events_lock:
-                self._events.append(
-                    OffloadingEvent(
-                        keys=[OffloadKey(k) for k in stored],
-                        medium=self.medium,
-                        removed=False,
-                        locality=self.locality,
-                    )
-                )
         self._finished.put(JobResult(job.job_id, True, None, seconds, nbytes))
 
     def _load(self, job: TransferJob) -> None:
@@ -379,6 +383,30 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._failed_loads.put([k for k in keys if k not in arrived])
         self._record("counter", Metrics.FAILED_JOBS, 1, ("load",))
         self._finished.put(JobResult(job.job_id, False, tuple(loaded) or None, seconds, nbytes))
+
+    def _poll_events(self) -> None:
+        """Fetch what the agent stored or evicted in this namespace, from every engine on
+        the node, as vLLM KV events (medium CPU)."""
+        try:
+            batch = self._connected().events(self.namespace, self._events_after)
+        except AgentUnavailable:
+            return
+        if batch.truncated:
+            log.warning("kvtier KV events fell behind the agent's log; some were lost")
+        self._events_after = batch.seq
+        new = [
+            OffloadingEvent(
+                keys=[OffloadKey(k) for k in keys],
+                medium=self.medium,
+                removed=removed,
+                locality=self.locality,
+            )
+            for keys, removed in ((batch.stored, False), (batch.evicted, True))
+            if keys
+        ]
+        if new and self._events is not None:
+            with self._events_lock:
+                self._events.extend(new)
 
     def _job_failed(self, job: TransferJob, op: str, exc: Exception) -> None:
         if isinstance(exc, AgentRefused):

@@ -85,3 +85,24 @@ def test_release_client_frees_only_its_leases(index: HostIndex) -> None:
     assert index.leases == 1 and index.pinned_slots() == 1
     index.end_load(kept)
     assert index.pinned_slots() == 0
+
+
+def test_events_record_stores_and_evictions_per_namespace(index: HostIndex) -> None:
+    store(index, b"a", b"b", b"c", b"d")
+    first = index.events.since("ns", 0)
+    assert first.stored == [b"a", b"b", b"c", b"d"] and first.evicted == []
+    store(index, b"e")  # evicts one
+    later = index.events.since("ns", first.seq)
+    assert later.stored == [b"e"] and len(later.evicted) == 1 and not later.truncated
+    assert index.events.since("other", 0).stored == []
+
+
+def test_event_log_is_bounded_and_says_when_a_reader_fell_behind() -> None:
+    from kvtier.agent.events import ChunkEvents
+
+    events = ChunkEvents(per_namespace=3)
+    for i in range(5):
+        events.record("ns", b"%d" % i, removed=False)
+    batch = events.since("ns", 0)
+    assert batch.stored == [b"2", b"3", b"4"] and batch.truncated
+    assert not events.since("ns", 2).truncated

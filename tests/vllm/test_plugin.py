@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, Medium
@@ -108,17 +109,46 @@ def test_agent_killed_mid_job_then_restarted(
     )
 
 
-def test_store_jobs_report_bytes_and_events(
+def collect_events(engine: Engine, want: int, timeout: float = 10.0) -> list[Any]:
+    events: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while sum(len(e.keys) for e in events) < want and time.monotonic() < deadline:
+        engine.step()
+        events += engine.tier.take_events()
+        time.sleep(0.05)
+    return events
+
+
+def test_kv_events_report_the_whole_nodes_stores_and_evictions(
+    agent_config: AgentConfig, agent_factory: StartAgent, engines: MakeEngine
+) -> None:
+    agent_factory(agent_config)
+    engine, neighbour = engines(agent_config), engines(agent_config)
+    engine.store([1, 2])
+    neighbour.store([3])  # another engine on the node: its chunk is news to this one too
+    stored = collect_events(engine, 3)
+    assert sorted(bytes(k) for e in stored for k in e.keys) == sorted(
+        bytes(chunk_key(i)) for i in (1, 2, 3)
+    )
+    assert all(e.medium is Medium.CPU and not e.removed for e in stored)
+    with AgentClient(agent_config.endpoint) as client:  # fill the pool: 1, 2, 3 go
+        slots = client.stats()["slots"]
+        client.store(
+            engine.tier.namespace,
+            [b"filler-%d" % i for i in range(slots)],
+            [np.zeros(engine.row, np.uint8)] * slots,
+        )
+    events = collect_events(engine, slots + 3)
+    removed = {bytes(k) for e in events if e.removed for k in e.keys}
+    assert removed == {bytes(chunk_key(i)) for i in (1, 2, 3)}
+
+
+def test_store_jobs_report_bytes(
     agent_config: AgentConfig, agent_factory: StartAgent, engines: MakeEngine
 ) -> None:
     agent_factory(agent_config)
     engine = engines(agent_config)
     engine.store([1, 2])
-    events = list(engine.tier.take_events())
-    assert sorted(bytes(k) for e in events for k in e.keys) == sorted(
-        bytes(chunk_key(i)) for i in (1, 2)
-    )
-    assert all(e.medium is Medium.CPU and not e.removed for e in events)
     stats = engine.tier.get_stats()
     assert stats is not None
     values = stats.data["data"]
