@@ -1,0 +1,302 @@
+"""Pure builders of the objects a KVCacheTier owns: they take the resource (as the API
+returns it) and the operator settings and return manifests, so every rule is tested
+without a cluster. The agent config is rendered and validated with the agent's own model."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from kvtier.agent.config import AgentConfig, parse_config
+from kvtier.agent.units import parse_bytes
+from kvtier.operator.names import API_VERSION, GROUP, agent_name, instance_id, labels
+from kvtier.operator.settings import OperatorSettings
+
+Manifest = dict[str, Any]
+CONFIG_DIR = "/etc/kvtier"
+TIER_MOUNT = "/var/lib/kvtier/tiers"
+S3_MOUNT = "/etc/kvtier/s3"
+MEMORY_OVERHEAD = 512 << 20  # agent process, page tables, write-back buffers
+
+
+def owner_reference(tier: Manifest) -> Manifest:
+    meta = tier["metadata"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "KVCacheTier",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(tier: Manifest, name: str) -> Manifest:
+    return {
+        "name": name,
+        "namespace": tier["metadata"]["namespace"],
+        "labels": labels(tier["metadata"]["name"]),
+        "ownerReferences": [owner_reference(tier)],
+    }
+
+
+def run_dir(tier: Manifest, settings: OperatorSettings) -> str:
+    meta = tier["metadata"]
+    return f"{settings.run_root}/{instance_id(meta['namespace'], meta['name'])}"
+
+
+def build_agent_config(tier: Manifest, settings: OperatorSettings) -> AgentConfig:
+    """The agent's config for this resource; raises ConfigError naming the field."""
+    meta, spec = tier["metadata"], tier["spec"]
+    host = spec["host"]
+    tiers = []
+    for entry in spec.get("tiers", []):
+        common = {
+            "name": entry["name"],
+            "queueDepth": entry.get("queueDepth", 256),
+            "admitAfterHits": entry.get("admitAfterHits", 0),
+        }
+        if "filesystem" in entry:
+            fs = entry["filesystem"]
+            tiers.append(
+                {
+                    **common,
+                    "filesystem": {
+                        "path": f"{TIER_MOUNT}/{entry['name']}",
+                        "capacity": fs["capacity"],
+                        "highWatermark": fs.get("highWatermark", 0.9),
+                        "lowWatermark": fs.get("lowWatermark", 0.8),
+                        "fsync": fs.get("fsync", True),
+                    },
+                }
+            )
+        elif "objectStore" in entry:
+            s3 = entry["objectStore"]
+            store = {
+                key: s3[key] for key in ("endpoint", "bucket", "prefix", "region") if key in s3
+            }
+            store["capacity"] = s3["capacity"]
+            if "credentialsSecret" in s3:
+                store["credentialsDir"] = f"{S3_MOUNT}/{entry['name']}"
+            tiers.append({**common, "objectStore": store})
+    agent = spec.get("agent", {})
+    return parse_config(
+        {
+            "name": instance_id(meta["namespace"], meta["name"]),
+            "runDir": run_dir(tier, settings),
+            "host": {
+                "capacity": host["capacity"],
+                "chunkBytes": host.get("chunkSize", "2Mi"),
+                "policy": host.get("policy", "lru"),
+                "poolDir": host.get("poolDir", "/dev/shm/kvtier"),
+            },
+            "tiers": tiers,
+            "metrics": {"port": agent.get("metricsPort", 9400)},
+        }
+    )
+
+
+def build_configmap(tier: Manifest, config: AgentConfig) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(tier, agent_name(tier["metadata"]["name"])),
+        "data": {"agent.yaml": config.to_yaml()},
+    }
+
+
+def _tier_volumes(spec: Manifest) -> tuple[list[Manifest], list[Manifest]]:
+    volumes: list[Manifest] = []
+    mounts: list[Manifest] = []
+    for entry in spec.get("tiers", []):
+        name = entry["name"]
+        if "filesystem" in entry:
+            fs = entry["filesystem"]
+            if "pvc" in fs:
+                source = {"persistentVolumeClaim": {"claimName": fs["pvc"]["claimName"]}}
+            elif "nfs" in fs:
+                source = {"nfs": {"server": fs["nfs"]["server"], "path": fs["nfs"]["path"]}}
+            else:
+                source = {"hostPath": {"path": fs["hostPath"]["path"], "type": "DirectoryOrCreate"}}
+            volumes.append({"name": f"tier-{name}", **source})
+            mounts.append({"name": f"tier-{name}", "mountPath": f"{TIER_MOUNT}/{name}"})
+        elif "objectStore" in entry and "credentialsSecret" in entry["objectStore"]:
+            secret = entry["objectStore"]["credentialsSecret"]["name"]
+            volumes.append(
+                {
+                    "name": f"s3-{name}",
+                    "secret": {
+                        "secretName": secret,
+                        "defaultMode": 0o400,
+                        "items": [
+                            {"key": "accessKeyId", "path": "accessKeyId"},
+                            {"key": "secretAccessKey", "path": "secretAccessKey"},
+                        ],
+                    },
+                }
+            )
+            mounts.append(
+                {"name": f"s3-{name}", "mountPath": f"{S3_MOUNT}/{name}", "readOnly": True}
+            )
+    return volumes, mounts
+
+
+def agent_resources(spec: Manifest) -> Manifest:
+    """The pool lives on tmpfs and is charged to the agent's memory cgroup, so the agent
+    requests (and is limited to) the pool plus a fixed overhead, unless told otherwise."""
+    given = spec.get("agent", {}).get("resources")
+    if given:
+        return dict(given)
+    memory = str(parse_bytes(spec["host"]["capacity"]) + MEMORY_OVERHEAD)
+    return {"requests": {"cpu": "500m", "memory": memory}, "limits": {"memory": memory}}
+
+
+def build_daemonset(tier: Manifest, config: AgentConfig, settings: OperatorSettings) -> Manifest:
+    name, spec = tier["metadata"]["name"], tier["spec"]
+    agent = spec.get("agent", {})
+    port = config.metrics.port
+    tier_volumes, tier_mounts = _tier_volumes(spec)
+    config_hash = hashlib.sha256(config.to_yaml().encode()).hexdigest()[:16]
+    host_dirs = [str(config.run_dir), str(config.host.pool_dir)]
+    uid = settings.agent_uid
+    pod_spec: Manifest = {
+        "serviceAccountName": agent_name(name),
+        "nodeSelector": dict(spec.get("nodeSelector", {})),
+        "tolerations": list(spec.get("tolerations", [])),
+        "securityContext": {"runAsUser": uid, "runAsGroup": uid, "runAsNonRoot": True},
+        "initContainers": [
+            {
+                # hostPath directories are created root-owned; hand them to the agent's user.
+                "name": "prepare-host-dirs",
+                "image": agent.get("image", settings.image),
+                "command": ["sh", "-c", f"chown {uid}:{uid} {' '.join(host_dirs)}"],
+                "securityContext": {
+                    "runAsUser": 0,
+                    "runAsNonRoot": False,
+                    "allowPrivilegeEscalation": False,
+                    "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+                },
+                "volumeMounts": [
+                    {"name": "run", "mountPath": host_dirs[0]},
+                    {"name": "pool", "mountPath": host_dirs[1]},
+                ],
+            }
+        ],
+        "containers": [
+            {
+                "name": "agent",
+                "image": agent.get("image", settings.image),
+                "args": ["agent", "--config", f"{CONFIG_DIR}/agent.yaml"],
+                "ports": [{"name": "metrics", "containerPort": port}],
+                "env": [
+                    {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+                ],
+                "resources": agent_resources(spec),
+                "readinessProbe": {
+                    "httpGet": {"path": "/metrics", "port": "metrics"},
+                    "periodSeconds": 5,
+                },
+                "livenessProbe": {
+                    "httpGet": {"path": "/metrics", "port": "metrics"},
+                    "periodSeconds": 20,
+                    "failureThreshold": 3,
+                },
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "privileged": False,
+                    "readOnlyRootFilesystem": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+                "volumeMounts": [
+                    {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                    {"name": "run", "mountPath": host_dirs[0]},
+                    {"name": "pool", "mountPath": host_dirs[1]},
+                    *tier_mounts,
+                ],
+            }
+        ],
+        "volumes": [
+            {"name": "config", "configMap": {"name": agent_name(name)}},
+            {"name": "run", "hostPath": {"path": host_dirs[0], "type": "DirectoryOrCreate"}},
+            {"name": "pool", "hostPath": {"path": host_dirs[1], "type": "DirectoryOrCreate"}},
+            *tier_volumes,
+        ],
+    }
+    if "priorityClassName" in agent:
+        pod_spec["priorityClassName"] = agent["priorityClassName"]
+    selector = labels(name)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": _meta(tier, agent_name(name)),
+        "spec": {
+            "selector": {"matchLabels": selector},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}},
+            "template": {
+                "metadata": {
+                    "labels": selector,
+                    "annotations": {f"{GROUP}/config-hash": config_hash},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_service(tier: Manifest, config: AgentConfig) -> Manifest:
+    name = tier["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(tier, agent_name(name)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": labels(name),
+            "ports": [{"name": "metrics", "port": config.metrics.port, "targetPort": "metrics"}],
+        },
+    }
+
+
+def build_rbac(tier: Manifest) -> list[Manifest]:
+    """Agents write their own KVCacheNode and read their peers', nothing else."""
+    name = agent_name(tier["metadata"]["name"])
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(tier, name)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(tier, name),
+            "rules": [
+                {
+                    "apiGroups": [GROUP],
+                    "resources": ["kvcachenodes"],
+                    "verbs": ["get", "list", "watch", "create", "update", "patch"],
+                },
+                {
+                    "apiGroups": [GROUP],
+                    "resources": ["kvcachenodes/status"],
+                    "verbs": ["get", "update", "patch"],
+                },
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(tier, name),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [
+                {"kind": "ServiceAccount", "name": name, "namespace": tier["metadata"]["namespace"]}
+            ],
+        },
+    ]
+
+
+def build_children(tier: Manifest, settings: OperatorSettings) -> list[Manifest]:
+    """Everything the tier owns, in the order to create them."""
+    config = build_agent_config(tier, settings)
+    return [
+        build_configmap(tier, config),
+        *build_rbac(tier),
+        build_service(tier, config),
+        build_daemonset(tier, config, settings),
+    ]

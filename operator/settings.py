@@ -1,0 +1,28 @@
+"""The operator's settings, typed and read from the environment (set by the Helm chart)."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, Field
+
+
+class OperatorSettings(BaseModel):
+    image: str = Field(default="ghcr.io/kvtier/kvtier:0.1.0", description="Agent image.")
+    reconcile_interval_seconds: float = Field(default=30.0, gt=0)
+    status_interval_seconds: float = Field(default=10.0, gt=0)
+    heartbeat_timeout_seconds: float = Field(default=60.0, gt=0)
+    run_root: str = Field(default="/run/kvtier", description="Host directory of agent sockets.")
+    plugin_dir: str = Field(default="/opt/kvtier/plugin", description="Plug-in code in the image.")
+    agent_uid: int = 65532
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
+        """KVTIER_IMAGE, KVTIER_RECONCILE_INTERVAL_SECONDS, ... override the defaults."""
+        env = dict(os.environ if env is None else env)
+        values = {
+            name: env[f"KVTIER_{name.upper()}"]
+            for name in cls.model_fields
+            if f"KVTIER_{name.upper()}" in env
+        }
+        return cls.model_validate(values)

@@ -1,0 +1,288 @@
+"""The operator's pure parts: children built from a KVCacheTier (valid Kubernetes objects,
+owned, rendering an agent config the agent accepts), status aggregation, pod injection."""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import json
+from typing import Any
+
+import jsonpatch
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvtier.agent.config import ConfigError, parse_config
+from kvtier.operator.builders import build_agent_config, build_children
+from kvtier.operator.settings import OperatorSettings
+from kvtier.operator.status import aggregate, merge_conditions, transitions
+from kvtier.operator.webhook import INJECTED, SKIPPED, mutate_pod, selects
+from tests.apiserver_rules import admit, load_crd
+
+SETTINGS = OperatorSettings(image="registry.local/kvtier:test")
+RESOURCE: dict[str, Any] = {
+    "apiVersion": "kvtier.io/v1alpha1",
+    "kind": "KVCacheTier",
+    "metadata": {"name": "llama", "namespace": "inference", "uid": "0f1e-uid", "generation": 1},
+    "spec": {
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "podSelector": {"matchLabels": {"app": "vllm"}},
+        "host": {"capacity": "8Gi", "policy": "arc"},
+        "tiers": [
+            {"name": "shared-fs", "filesystem": {"pvc": {"claimName": "kv"}, "capacity": "2Ti"}},
+            {
+                "name": "s3",
+                "objectStore": {
+                    "bucket": "kv-cache",
+                    "capacity": "10Ti",
+                    "endpoint": "http://minio:9000",
+                    "credentialsSecret": {"name": "s3-creds"},
+                },
+            },
+        ],
+    },
+}
+
+
+def tier() -> dict[str, Any]:
+    """The resource as the API server stores it: with the schema's defaults."""
+    stored, errors = admit(load_crd("kvcachetier.yaml"), copy.deepcopy(RESOURCE))
+    assert errors == []
+    return stored
+
+
+def by_kind(children: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {c["kind"]: c for c in children}
+
+
+def test_children_are_valid_owned_and_labelled() -> None:
+    children = build_children(tier(), SETTINGS)
+    assert [c["kind"] for c in children] == [
+        "ConfigMap",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "DaemonSet",
+    ]
+    for child in children:
+        kubernetes_validate.validate(child, "1.33", strict=True)
+        assert child["metadata"]["namespace"] == "inference"
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert owner["uid"] == "0f1e-uid" and owner["controller"] is True
+        assert child["metadata"]["labels"]["kvtier.io/tier"] == "llama"
+
+
+def test_configmap_holds_an_agent_config_the_agent_accepts() -> None:
+    config_map = by_kind(build_children(tier(), SETTINGS))["ConfigMap"]
+    config = parse_config(yaml.safe_load(config_map["data"]["agent.yaml"]))
+    assert config.name == "inference-llama"
+    assert str(config.run_dir) == "/run/kvtier/inference-llama"
+    assert config.host.policy == "arc" and config.host.chunk_bytes == 2 << 20
+    fs, s3 = config.tiers
+    assert (
+        fs.filesystem is not None and str(fs.filesystem.path) == "/var/lib/kvtier/tiers/shared-fs"
+    )
+    assert s3.object_store is not None
+    assert str(s3.object_store.credentials_dir) == "/etc/kvtier/s3/s3"
+    assert s3.object_store.endpoint == "http://minio:9000"
+
+
+def test_daemonset_runs_unprivileged_with_volumes_probes_and_sized_memory() -> None:
+    ds = by_kind(build_children(tier(), SETTINGS))["DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    (agent,) = pod["containers"]
+    assert agent["image"] == "registry.local/kvtier:test"
+    assert agent["securityContext"]["privileged"] is False
+    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert not pod.get("hostNetwork") and not pod.get("hostIPC") and not pod.get("hostPID")
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tier-shared-fs"]["persistentVolumeClaim"] == {"claimName": "kv"}
+    assert volumes["s3-s3"]["secret"]["secretName"] == "s3-creds"
+    assert volumes["run"]["hostPath"]["path"] == "/run/kvtier/inference-llama"
+    assert agent["readinessProbe"]["httpGet"]["path"] == "/metrics"
+    memory = int(agent["resources"]["requests"]["memory"])
+    assert memory == (8 << 30) + (512 << 20) == int(agent["resources"]["limits"]["memory"])
+
+
+def test_spec_change_rolls_the_daemonset() -> None:
+    before = by_kind(build_children(tier(), SETTINGS))["DaemonSet"]
+    changed = tier()
+    changed["spec"]["host"]["capacity"] = "16Gi"
+    after = by_kind(build_children(changed, SETTINGS))["DaemonSet"]
+    key = "kvtier.io/config-hash"
+    assert (
+        before["spec"]["template"]["metadata"]["annotations"][key]
+        != (after["spec"]["template"]["metadata"]["annotations"][key])
+    )
+    assert by_kind(build_children(tier(), SETTINGS))["DaemonSet"] == before  # deterministic
+
+
+def test_role_is_least_privilege() -> None:
+    role = by_kind(build_children(tier(), SETTINGS))["Role"]
+    for rule in role["rules"]:
+        assert rule["apiGroups"] == ["kvtier.io"]
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+        assert "delete" not in rule["verbs"]
+
+
+def test_bad_config_the_schema_cannot_catch_names_the_field() -> None:
+    resource = tier()
+    resource["spec"]["host"] = {"capacity": "1Mi", "chunkSize": "2Mi"}
+    with pytest.raises(ConfigError, match=r"host\.chunkBytes"):
+        build_agent_config(resource, SETTINGS)
+
+
+def node_report(
+    i: int, beat: str, used: int = 100, fingerprint: str = "llama-3-8b-0a1b2c3d4e"
+) -> dict[str, Any]:
+    return {
+        "status": {
+            "heartbeat": beat,
+            "lookups": 10,
+            "hits": 7,
+            "peers": [f"node-{(i + 1) % 3}"],
+            "fingerprints": [fingerprint],
+            "tiers": [
+                {"name": "host", "usedBytes": used, "capacityBytes": 1000},
+                {"name": "shared-fs", "usedBytes": 5, "capacityBytes": 50, "chunks": 2, "hits": 1},
+            ],
+        }
+    }
+
+
+NOW = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
+FRESH, STALE = "2026-11-29T11:59:50Z", "2026-11-29T11:50:00Z"
+
+
+def test_status_aggregates_nodes_and_conditions() -> None:
+    nodes = [node_report(0, FRESH), node_report(1, FRESH), node_report(2, STALE)]
+    status = aggregate(nodes, desired=3, now=NOW, heartbeat_timeout=60)
+    assert status["nodes"] == {"desired": 3, "ready": 2}
+    assert status["host"] == {"usedBytes": 300, "capacityBytes": 3000}
+    assert status["tiers"] == [
+        {"name": "shared-fs", "usedBytes": 15, "capacityBytes": 150, "chunks": 6, "hits": 3}
+    ]
+    assert status["summary"]["hitRate"] == "70%"
+    assert status["peers"] == 3
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conditions == {
+        "ConfigValid": "True",
+        "AgentsReady": "False",
+        "FingerprintConflict": "False",
+        "Ready": "False",
+    }
+
+
+def test_fingerprint_conflict_and_config_error_are_reported() -> None:
+    nodes = [node_report(0, FRESH), node_report(1, FRESH, fingerprint="llama-3-8b-ffff000011")]
+    status = aggregate(
+        nodes, desired=2, now=NOW, heartbeat_timeout=60, config_error="secret s3-creds not found"
+    )
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["FingerprintConflict"]["status"] == "True"
+    assert "llama-3-8b" in conditions["FingerprintConflict"]["message"]
+    assert conditions["ConfigValid"]["message"] == "secret s3-creds not found"
+    assert conditions["Ready"]["status"] == "False"
+
+
+def test_conditions_keep_transition_time_and_report_changes() -> None:
+    old = aggregate([node_report(0, FRESH)], 1, NOW, 60)["conditions"]
+    later = NOW + dt.timedelta(minutes=5)
+    same = aggregate([node_report(0, "2026-11-29T12:04:55Z")], 1, later, 60)["conditions"]
+    merged = merge_conditions(old, same)
+    assert all(c["lastTransitionTime"] == "2026-11-29T12:00:00Z" for c in merged)
+    assert transitions(old, same) == []
+    down = aggregate([node_report(0, FRESH)], 1, later, 60)["conditions"]
+    assert {c["type"] for c in transitions(old, down)} == {"AgentsReady", "Ready"}
+
+
+def test_a_thousand_nodes_aggregate_in_one_pass() -> None:
+    nodes = [node_report(i, FRESH, used=i) for i in range(1000)]
+    status = aggregate(nodes, desired=1000, now=NOW, heartbeat_timeout=60)
+    assert status["nodes"]["ready"] == 1000
+    assert status["host"]["usedBytes"] == sum(range(1000))
+
+
+POD: dict[str, Any] = {
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "metadata": {"name": "llama-0", "namespace": "inference", "labels": {"app": "vllm"}},
+    "spec": {
+        "containers": [
+            {
+                "name": "vllm",
+                "image": "vllm/vllm-openai:v0.33.0",
+                "args": ["--model", "meta-llama/Llama-3.1-8B"],
+                "env": [{"name": "PYTHONPATH", "value": "/app"}],
+            }
+        ]
+    },
+}
+
+
+def injected(pod: dict[str, Any]) -> dict[str, Any]:
+    mutation = mutate_pod(pod, tier(), SETTINGS)
+    return dict(jsonpatch.apply_patch(pod, mutation.patch))
+
+
+def test_pod_gets_the_connector_mounts_plugin_and_hash_seed() -> None:
+    pod = injected(copy.deepcopy(POD))
+    kubernetes_validate.validate(pod, "1.33", strict=True)
+    container = pod["spec"]["containers"][0]
+    flag = container["args"].index("--kv-transfer-config")
+    config = json.loads(container["args"][flag + 1])
+    extra = config["kv_connector_extra_config"]
+    assert config["kv_connector"] == "OffloadingConnector"
+    assert extra["secondary_tiers"][0]["agent"] == "ipc:///run/kvtier/inference-llama/agent.sock"
+    assert extra["cpu_bytes_to_use"] == 4 << 30 and extra["canonical_layout"] is True
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["PYTHONPATH"] == "/opt/kvtier-plugin:/app" and env["PYTHONHASHSEED"] == "0"
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/run/kvtier/inference-llama", "/dev/shm/kvtier", "/opt/kvtier-plugin"} <= mounts
+    (init,) = pod["spec"]["initContainers"]
+    assert init["image"] == "registry.local/kvtier:test"
+    assert INJECTED in pod["metadata"]["annotations"]
+    assert not pod["spec"].get("hostIPC") and not pod["spec"].get("hostNetwork")
+    assert "privileged" not in json.dumps(pod)
+
+
+def test_injection_is_idempotent() -> None:
+    once = injected(copy.deepcopy(POD))
+    assert mutate_pod(once, tier(), SETTINGS).patch == []
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"args": ["--kv-transfer-config", "{}"]}, "already sets --kv-transfer-config"),
+        ({"command": ["sh", "-c", "vllm serve x"], "args": []}, "shell string"),
+        ({"name": "sidecar"}, "no container named 'vllm'"),
+    ],
+)
+def test_pods_that_cannot_be_injected_are_annotated_with_why(
+    change: dict[str, Any], reason: str
+) -> None:
+    pod = copy.deepcopy(POD)
+    pod["spec"]["containers"][0].update(change)
+    mutation = mutate_pod(pod, tier(), SETTINGS)
+    assert not mutation.injected and reason in mutation.reason
+    result = jsonpatch.apply_patch(pod, mutation.patch)
+    assert reason in result["metadata"]["annotations"][SKIPPED]
+
+
+def test_label_selectors() -> None:
+    assert selects({"matchLabels": {"app": "vllm"}}, {"app": "vllm", "x": "y"})
+    assert not selects({"matchLabels": {"app": "vllm"}}, {"app": "web"})
+    expr = {
+        "matchExpressions": [
+            {"key": "tier", "operator": "In", "values": ["a", "b"]},
+            {"key": "off", "operator": "DoesNotExist"},
+        ]
+    }
+    assert selects(expr, {"tier": "a"}) and not selects(expr, {"tier": "a", "off": "1"})
