@@ -49,6 +49,20 @@ def _vllm_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _operator(args: argparse.Namespace) -> int:
+    import kopf
+
+    import kvtier.operator.main  # noqa: F401  (registers the handlers)
+
+    kopf.configure(log_format=kopf.LogFormat.JSON, verbose=args.verbose)
+    kopf.run(
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz",
+    )
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from kvtier.demo import DemoOptions, run_demo
 
@@ -92,6 +106,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="validate the config (and its directories), print it with defaults, and exit",
     )
     agent.set_defaults(func=_agent)
+
+    operator = sub.add_parser(
+        "operator",
+        help="run the Kubernetes operator",
+        description="Run the kopf operator: reconciles KVCacheTier resources into agents, "
+        "aggregates KVCacheNode reports into status, and serves the pod-injection webhook. "
+        "Settings come from KVTIER_* environment variables (see kvtier.operator.settings).",
+    )
+    operator.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable; default: all namespaces)",
+    )
+    operator.add_argument("--health-port", type=int, default=8080, help="liveness probe port")
+    operator.add_argument("--verbose", action="store_true", help="log every watch event")
+    operator.set_defaults(func=_operator)
 
     vllm_config = sub.add_parser(
         "vllm-config",

@@ -15,6 +15,10 @@ class OperatorSettings(BaseModel):
     run_root: str = Field(default="/run/kvtier", description="Host directory of agent sockets.")
     plugin_dir: str = Field(default="/opt/kvtier/plugin", description="Plug-in code in the image.")
     agent_uid: int = 65532
+    webhook_port: int = Field(default=9443, ge=1, le=65535)
+    webhook_cert: str | None = Field(default=None, description="TLS certificate (PEM) path.")
+    webhook_key: str | None = Field(default=None, description="TLS private key (PEM) path.")
+    peering: str | None = Field(default=None, description="kopf peering name (replicas > 1).")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:

@@ -1,0 +1,107 @@
+"""What the operator's handlers do; kopf-free apart from the objects handlers pass in, so
+main.py only registers and delegates."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import jsonpatch
+
+from kvtier.agent.config import ConfigError
+from kvtier.operator.builders import build_agent_config, build_daemonset
+from kvtier.operator.kube import KubeClient
+from kvtier.operator.reconcile import ensure_children
+from kvtier.operator.settings import OperatorSettings
+from kvtier.operator.status import aggregate, merge_conditions, transitions
+from kvtier.operator.webhook import mutate_pod, selects
+
+Manifest = dict[str, Any]
+
+
+class State:
+    """Per-process operator state: settings, and the API client built from kopf's login."""
+
+    def __init__(self, settings: OperatorSettings) -> None:
+        self.settings = settings
+        self.connection: Any = None
+        self._client: KubeClient | None = None
+        self.config_errors: dict[tuple[str, str], str] = {}
+
+    @property
+    def client(self) -> KubeClient:
+        if self._client is None:
+            self._client = KubeClient(self.connection)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+async def reconcile_tier(state: State, tier: Manifest, logger: logging.Logger) -> list[str]:
+    key = (tier["metadata"]["namespace"], tier["metadata"]["name"])
+    try:
+        actions = await ensure_children(state.client, tier, state.settings)
+    except ConfigError as exc:
+        # What only the operator can check; existing agents are left running as they are.
+        state.config_errors[key] = str(exc)
+        logger.warning("invalid KVCacheTier, children left unchanged: %s", exc)
+        return []
+    state.config_errors.pop(key, None)
+    if actions:
+        logger.info("reconciled: %s", ", ".join(actions))
+    return actions
+
+
+async def desired_agents(state: State, tier: Manifest) -> int:
+    try:
+        config = build_agent_config(tier, state.settings)
+    except ConfigError:
+        return 0
+    current = await state.client.get(build_daemonset(tier, config, state.settings))
+    return int(((current or {}).get("status") or {}).get("desiredNumberScheduled", 0))
+
+
+def next_status(
+    state: State, tier: Manifest, reports: Iterable[Manifest], desired: int, now: dt.datetime
+) -> tuple[Manifest | None, list[Manifest]]:
+    """The status to write (None when nothing changed) and the condition transitions."""
+    meta = tier["metadata"]
+    current = dict(tier.get("status") or {})
+    new = aggregate(
+        reports,
+        desired,
+        now,
+        state.settings.heartbeat_timeout_seconds,
+        config_error=state.config_errors.get((meta["namespace"], meta["name"])),
+    )
+    old_conditions = list(current.get("conditions") or [])
+    new["conditions"] = merge_conditions(old_conditions, new["conditions"])
+    new["observedGeneration"] = meta.get("generation", 0)
+    if all(current.get(k) == v for k, v in new.items()):
+        return None, []
+    return new, transitions(old_conditions, new["conditions"])
+
+
+def inject(state: State, pod: Manifest, tiers: Iterable[Manifest], logger: logging.Logger) -> Any:
+    """The first KVCacheTier of the pod's namespace whose podSelector matches; returns a
+    transformation of the pod body for kopf's patch, or None to leave it alone."""
+    labels = pod.get("metadata", {}).get("labels") or {}
+    for tier in tiers:
+        if not selects(tier["spec"].get("podSelector", {}), labels):
+            continue
+        try:
+            mutation = mutate_pod(pod, tier, state.settings)
+        except ConfigError as exc:
+            logger.warning(
+                "pod not injected, KVCacheTier %s is invalid: %s", tier["metadata"]["name"], exc
+            )
+            return None
+        if not mutation.patch:
+            return None
+        ops = mutation.patch
+        return lambda body: jsonpatch.apply_patch(body, ops, in_place=True)
+    return None

@@ -1,0 +1,117 @@
+"""kopf handlers of the kvtier operator: they only register and delegate to control.py.
+
+Run with `kvtier operator` (which calls kopf) in the operator's Deployment.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import kopf
+
+from kvtier.operator import control
+from kvtier.operator.names import GROUP, VERSION
+from kvtier.operator.settings import OperatorSettings
+
+STATE = control.State(OperatorSettings.from_env())
+TIERS = (GROUP, VERSION, "kvcachetiers")
+NODES = (GROUP, VERSION, "kvcachenodes")
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.finalizer = f"{GROUP}/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    ours = STATE.settings
+    settings.peering.standalone = not ours.peering  # replicas coordinate through peering
+    if ours.peering:
+        settings.peering.name = ours.peering
+    # The chart's MutatingWebhookConfiguration points at this server (TLS from the chart);
+    # without a certificate it serves plain HTTP, for tests.
+    settings.admission.server = kopf.WebhookServer(
+        addr="0.0.0.0",
+        port=ours.webhook_port,
+        certfile=ours.webhook_cert,
+        pkeyfile=ours.webhook_key,
+        insecure=ours.webhook_cert is None,
+    )
+
+
+@kopf.on.cleanup()
+async def close(**_: Any) -> None:
+    await STATE.close()
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> Any:
+    STATE.connection = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(
+        **kwargs
+    )
+    return STATE.connection
+
+
+@kopf.index(*NODES)
+def reports(*, namespace: str | None, spec: kopf.Spec, status: kopf.Status, **_: Any) -> Any:
+    return {(namespace, spec.get("tier")): {"status": dict(status)}}
+
+
+@kopf.index(*TIERS)
+def tiers(*, namespace: str | None, body: kopf.Body, **_: Any) -> Any:
+    return {namespace: dict(body)}
+
+
+@kopf.on.resume(*TIERS)
+@kopf.on.create(*TIERS)
+@kopf.on.update(*TIERS, field="spec")
+@kopf.timer(*TIERS, interval=STATE.settings.reconcile_interval_seconds)
+async def reconcile(*, body: kopf.Body, logger: Any, **_: Any) -> None:
+    await control.reconcile_tier(STATE, dict(body), logger)
+
+
+@kopf.timer(*TIERS, interval=STATE.settings.status_interval_seconds)
+async def report_status(
+    *, body: kopf.Body, patch: kopf.Patch, reports: kopf.Index[Any, Any] | None = None, **_: Any
+) -> None:
+    assert reports is not None  # kopf passes every index by its name
+    tier = dict(body)
+    key = (tier["metadata"]["namespace"], tier["metadata"]["name"])
+    desired = await control.desired_agents(STATE, tier)
+    new, changed = control.next_status(
+        STATE,
+        tier,
+        reports.get(key, []),
+        desired,
+        dt.datetime.now(dt.UTC),
+    )
+    if new is not None:
+        patch.status.update(new)
+    for condition in changed:
+        kind = (
+            "Normal"
+            if (condition["status"] == "True") != (condition["type"] == "FingerprintConflict")
+            else "Warning"
+        )
+        kopf.event(
+            body,
+            type=kind,
+            reason=f"{condition['type']}{condition['status']}",
+            message=condition.get("message") or condition["type"],
+        )
+
+
+@kopf.on.mutate("", "v1", "pods", operation="CREATE", id="kvtier-inject")
+def inject(
+    *,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    namespace: str | None,
+    logger: Any,
+    tiers: kopf.Index[Any, Any] | None = None,
+    **_: Any,
+) -> None:
+    assert tiers is not None
+    transform = control.inject(STATE, dict(body), tiers.get(namespace, []), logger)
+    if transform is not None:
+        patch.fns.append(transform)
