@@ -47,7 +47,7 @@ async def reconcile_tier(state: State, tier: Manifest, logger: logging.Logger) -
         actions = await ensure_children(state.client, tier, state.settings)
     except ConfigError as exc:
         # What only the operator can check; existing agents are left running as they are.
-        state.config_errors[key] = str(exc)
+        state.config_errors[key] = "; ".join(exc.problems)
         logger.warning("invalid KVCacheTier, children left unchanged: %s", exc)
         return []
     state.config_errors.pop(key, None)
@@ -66,7 +66,12 @@ async def desired_agents(state: State, tier: Manifest) -> int:
 
 
 def next_status(
-    state: State, tier: Manifest, reports: Iterable[Manifest], desired: int, now: dt.datetime
+    state: State,
+    tier: Manifest,
+    reports: Iterable[Manifest],
+    desired: int,
+    now: dt.datetime,
+    injected_pods: int = 0,
 ) -> tuple[Manifest | None, list[Manifest]]:
     """The status to write (None when nothing changed) and the condition transitions."""
     meta = tier["metadata"]
@@ -77,6 +82,7 @@ def next_status(
         now,
         state.settings.heartbeat_timeout_seconds,
         config_error=state.config_errors.get((meta["namespace"], meta["name"])),
+        injected_pods=injected_pods,
     )
     old_conditions = list(current.get("conditions") or [])
     new["conditions"] = merge_conditions(old_conditions, new["conditions"])

@@ -25,6 +25,8 @@ _PLURALS = {
     "DaemonSet": "daemonsets",
     "KVCacheTier": "kvcachetiers",
     "KVCacheNode": "kvcachenodes",
+    "Secret": "secrets",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
 }
 
 
@@ -79,7 +81,7 @@ class KubeClient:
             timeout=aiohttp.ClientTimeout(total=30),
         )
 
-    async def _request(
+    async def request(
         self, method: str, url: str, body: Any = None, content_type: str = "application/json"
     ) -> Manifest | None:
         async with self._session.request(
@@ -94,14 +96,17 @@ class KubeClient:
 
     async def get(self, manifest: Manifest) -> Manifest | None:
         meta = manifest["metadata"]
-        return await self._request(
+        return await self.request(
             "GET",
             object_url(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"]),
         )
 
+    async def exists(self, kind: str, namespace: str, name: str) -> bool:
+        return await self.request("GET", object_url("v1", kind, namespace, name)) is not None
+
     async def create(self, manifest: Manifest) -> Manifest | None:
         meta = manifest["metadata"]
-        return await self._request(
+        return await self.request(
             "POST",
             object_url(manifest["apiVersion"], manifest["kind"], meta["namespace"]),
             manifest,
@@ -109,7 +114,7 @@ class KubeClient:
 
     async def merge_patch(self, manifest: Manifest, patch: Manifest) -> Manifest | None:
         meta = manifest["metadata"]
-        return await self._request(
+        return await self.request(
             "PATCH",
             object_url(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"]),
             patch,

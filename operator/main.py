@@ -13,6 +13,8 @@ import kopf
 from kvtier.operator import control
 from kvtier.operator.names import GROUP, VERSION
 from kvtier.operator.settings import OperatorSettings
+from kvtier.operator.webhook import INJECTED
+from kvtier.operator.webhook import TIER as TIER_ANNOTATION
 
 STATE = control.State(OperatorSettings.from_env())
 TIERS = (GROUP, VERSION, "kvcachetiers")
@@ -57,6 +59,11 @@ def reports(*, namespace: str | None, spec: kopf.Spec, status: kopf.Status, **_:
     return {(namespace, spec.get("tier")): {"status": dict(status)}}
 
 
+@kopf.index("", "v1", "pods", annotations={INJECTED: kopf.PRESENT})
+def injected(*, namespace: str | None, annotations: Any, **_: Any) -> Any:
+    return {(namespace, annotations.get(TIER_ANNOTATION)): True}
+
+
 @kopf.index(*TIERS)
 def tiers(*, namespace: str | None, body: kopf.Body, **_: Any) -> Any:
     return {namespace: dict(body)}
@@ -72,9 +79,14 @@ async def reconcile(*, body: kopf.Body, logger: Any, **_: Any) -> None:
 
 @kopf.timer(*TIERS, interval=STATE.settings.status_interval_seconds)
 async def report_status(
-    *, body: kopf.Body, patch: kopf.Patch, reports: kopf.Index[Any, Any] | None = None, **_: Any
+    *,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    reports: kopf.Index[Any, Any] | None = None,
+    injected: kopf.Index[Any, Any] | None = None,
+    **_: Any,
 ) -> None:
-    assert reports is not None  # kopf passes every index by its name
+    assert reports is not None and injected is not None  # kopf passes indexes by name
     tier = dict(body)
     key = (tier["metadata"]["namespace"], tier["metadata"]["name"])
     desired = await control.desired_agents(STATE, tier)
@@ -84,6 +96,7 @@ async def report_status(
         reports.get(key, []),
         desired,
         dt.datetime.now(dt.UTC),
+        injected_pods=len(list(injected.get(key, []))),
     )
     if new is not None:
         patch.status.update(new)

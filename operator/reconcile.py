@@ -8,6 +8,7 @@ import hashlib
 import json
 from typing import Any
 
+from kvtier.agent.config import ConfigError
 from kvtier.operator.builders import build_children
 from kvtier.operator.kube import KubeClient, KubeError
 from kvtier.operator.names import GROUP
@@ -29,11 +30,43 @@ def _with_hash(child: Manifest) -> Manifest:
     }
 
 
+async def check_references(client: KubeClient, tier: Manifest) -> None:
+    """What the schema cannot know: the Secrets and claims the spec names must exist.
+    Raises ConfigError naming the field, before anything is changed."""
+    namespace = tier["metadata"]["namespace"]
+    problems = []
+    for i, entry in enumerate(tier["spec"].get("tiers", [])):
+        refs = []
+        if "credentialsSecret" in entry.get("objectStore", {}):
+            refs.append(
+                (
+                    "Secret",
+                    "objectStore.credentialsSecret",
+                    entry["objectStore"]["credentialsSecret"]["name"],
+                )
+            )
+        if "curveKeySecret" in entry.get("peer", {}):
+            refs.append(("Secret", "peer.curveKeySecret", entry["peer"]["curveKeySecret"]["name"]))
+        if "pvc" in entry.get("filesystem", {}):
+            refs.append(
+                ("PersistentVolumeClaim", "filesystem.pvc", entry["filesystem"]["pvc"]["claimName"])
+            )
+        for kind, field, name in refs:
+            if not await client.exists(kind, namespace, name):
+                problems.append(
+                    f"spec.tiers[{i}].{field}: {kind} {name!r} not found in namespace "
+                    f"{namespace}; fix: create it or correct the name"
+                )
+    if problems:
+        raise ConfigError(problems)
+
+
 async def ensure_children(
     client: KubeClient, tier: Manifest, settings: OperatorSettings
 ) -> list[str]:
     """Make the children match the resource; returns what was done, e.g. 'created DaemonSet'.
     Raises ConfigError before touching anything when the spec cannot be rendered."""
+    await check_references(client, tier)
     actions = []
     for child in (_with_hash(c) for c in build_children(tier, settings)):
         current = await client.get(child)

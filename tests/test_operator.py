@@ -306,3 +306,62 @@ def test_node_reports_do_not_mean_one_status_write_each(
     writes = [u for u in api.emulator.updates[updates_before:] if u == ("kvcachetiers", "llama")]
     # One status write per interval (1 s here) at most, plus the reconcile timer's own.
     assert len(writes) <= 2 * (elapsed + 2) < 200, (len(writes), elapsed)
+
+
+def test_missing_secret_is_reported_with_an_event_and_nothing_created(
+    cluster: tuple[KubeAPI, int], tier: dict[str, Any]
+) -> None:
+    api, _ = cluster
+    broken = copy.deepcopy(TIER)
+    broken["metadata"]["name"] = "broken"
+    broken["spec"]["tiers"] = [
+        {
+            "name": "s3",
+            "objectStore": {
+                "bucket": "kv-cache",
+                "capacity": "1Ti",
+                "credentialsSecret": {"name": "no-such-secret"},
+            },
+        }
+    ]
+    assert api.request("POST", TIERS, broken)[0] in (200, 201)
+
+    def invalid() -> dict[str, Any] | None:
+        body = get(api, f"{TIERS}/broken") or {}
+        conditions = {c["type"]: c for c in (body.get("status") or {}).get("conditions", [])}
+        return (
+            conditions.get("ConfigValid")
+            if conditions.get("ConfigValid", {}).get("status") == "False"
+            else None
+        )
+
+    condition = wait_for(invalid)
+    assert condition["message"].startswith("spec.tiers[0].objectStore.credentialsSecret:")
+    assert "no-such-secret" in condition["message"]
+    assert get(api, f"/apis/apps/v1/namespaces/{NS}/daemonsets/kvtier-broken") is None
+
+    def warned() -> bool:
+        events = (get(api, f"/api/v1/namespaces/{NS}/events") or {}).get("items", [])
+        return any(
+            e.get("reason") == "ConfigValidFalse"
+            and e.get("involvedObject", {}).get("name") == "broken"
+            for e in events
+        )
+
+    wait_for(warned)
+
+
+def test_injected_pods_are_counted(cluster: tuple[KubeAPI, int], tier: dict[str, Any]) -> None:
+    api, _ = cluster
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "llama-1",
+            "namespace": NS,
+            "annotations": {"kvtier.io/tier": "llama", "kvtier.io/injected": "{}"},
+        },
+        "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.33.0"}]},
+    }
+    assert api.request("POST", f"/api/v1/namespaces/{NS}/pods", pod)[0] in (200, 201)
+    wait_for(lambda: tier_status(api).get("injectedPods") == 1)
