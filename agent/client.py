@@ -144,7 +144,9 @@ class AgentClient:
         return Grant(reply.lease, reply.slots, reply.where)
 
     def commit(self, lease: int) -> None:
-        self._send(p.Commit(lease))
+        """A round trip: once it returns, every client of the agent sees the chunks (a
+        one-way commit could still be queued behind another client's lookup)."""
+        self._call(p.Commit(lease), p.Ack)
 
     def abort(self, lease: int) -> None:
         self._send(p.Abort(lease))

@@ -3,9 +3,9 @@
 Messages are msgspec structs encoded as msgpack, sent over a ZMQ DEALER/ROUTER pair on an
 ipc socket as two frames: an 8-byte request id, so a client that timed out can tell a late
 reply from the one it waits for, and the body. Requests whose outcome the client does not
-need (Commit, Abort, EndLoad) go one-way with the id ONE_WAY and get no reply: a store or a
-load then costs one round trip, and ZMQ's per-connection ordering still guarantees that the
-agent sees a commit before the same client's next request. Chunk bytes never travel here:
+need (Abort, EndLoad) go one-way with the id ONE_WAY and get no reply, so a load costs one
+round trip; a store costs two (Allocate, Commit), so that a finished store is visible to
+every client at once. Chunk bytes never travel here:
 both sides map the same pool file and the messages carry slot numbers. This module imports
 only msgspec, because the vLLM plug-in imports it.
 """

@@ -27,12 +27,14 @@ def build_kv_transfer_config(
     enable_kv_events: bool = True,
     canonical_layout: bool = True,
     spec: tuple[str, str] | None = None,
+    scope: str | None = None,
 ) -> dict[str, Any]:
     """The connector config for an engine on `agent`'s node.
 
     `canonical_layout` makes a row independent of tensor parallelism, so engines with
     different TP sizes share chunks. `spec` (module, class) replaces vLLM's
-    TieringOffloadingSpec with a subclass (the CPU test harness's).
+    TieringOffloadingSpec with a subclass (the CPU test harness's). `scope` (a Kubernetes
+    namespace, with isolation "namespace") keeps chunks within engines of that scope.
     """
     if cpu_bytes_to_use <= 0:
         raise ValueError("cpu_bytes_to_use must be positive: vLLM's own host tier needs room")
@@ -49,6 +51,7 @@ def build_kv_transfer_config(
                 "timeout_seconds": timeout_seconds,
                 "copy_threads": copy_threads,
                 "enable_kv_events": enable_kv_events,
+                **({"scope": scope} if scope else {}),
             }
         ],
     }

@@ -160,6 +160,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         copy_threads: int = 4,
         enable_kv_events: bool = False,
         locality: str | None = None,
+        scope: str | None = None,
         backpressure_detector: Any = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -180,8 +181,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._stats_lock = threading.Lock()
         self._stats: list[tuple[str, str, float, tuple[str, ...]]] = []
         self._namespace: str | None = None
+        self._scope = scope
         self._available: bool | None = None
         self._refusals: set[str] = set()
+        self._connect_lock = threading.Lock()
         self._lookup = _AgentLookup(self)
         log.info("kvtier tier %s: agent %s, rows of %d bytes", tier_type, agent, self._row_bytes)
 
@@ -191,19 +194,22 @@ class KVTierSecondaryTier(SecondaryTierManager):
     def namespace(self) -> str:
         if self._namespace is None:
             fingerprint = run_fingerprint(self._offloading_spec)
+            if self._scope:
+                fingerprint["scope"] = self._scope  # isolation: namespace
             self._namespace = namespace_of(fingerprint)
             log.info("kvtier namespace %s for %s", self._namespace, json.dumps(fingerprint))
         return self._namespace
 
     def _connected(self) -> AgentClient:
-        if self._client.hello is None:
-            self._client.connect()
-            if self._client.slot_bytes < self._row_bytes:
-                raise AgentRefused(
-                    f"agent slots hold {self._client.slot_bytes} bytes but vLLM rows are "
-                    f"{self._row_bytes}; set the KVCacheTier's chunk size (host.chunkBytes) "
-                    f"to at least {self._row_bytes}"
-                )
+        with self._connect_lock:  # copy threads and the lookup thread share the client
+            if self._client.hello is None:
+                self._client.connect()
+                if self._client.slot_bytes < self._row_bytes:
+                    raise AgentRefused(
+                        f"agent slots hold {self._client.slot_bytes} bytes but vLLM rows are "
+                        f"{self._row_bytes}; set the KVCacheTier's chunk size "
+                        f"(host.chunkBytes) to at least {self._row_bytes}"
+                    )
         return self._client
 
     def _set_available(self, available: bool, reason: str = "") -> None:
@@ -321,10 +327,20 @@ class KVTierSecondaryTier(SecondaryTierManager):
     # --- jobs (worker threads) ------------------------------------------------------------
 
     def _submit(self, work: Any, job: TransferJob) -> None:
-        future = self._copiers.submit(work, job)
+        future = self._copiers.submit(self._run_job, work, job)
         with self._running_lock:
             self._running.add(future)
         future.add_done_callback(self._job_done)
+
+    def _run_job(self, work: Any, job: TransferJob) -> None:
+        """Every job ends with a result, whatever happens: vLLM waits for it."""
+        try:
+            work(job)
+        except Exception as exc:
+            log.exception("kvtier job %s failed unexpectedly", job.job_id)
+            if job.is_promotion:
+                self._failed_loads.put(list(job.keys))
+            self._job_failed(job, "load" if job.is_promotion else "store", exc)
 
     def _job_done(self, future: Future[None]) -> None:
         with self._running_lock:

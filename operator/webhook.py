@@ -99,6 +99,7 @@ def mutate_pod(pod: Manifest, tier: Manifest, settings: OperatorSettings) -> Mut
         agent,
         cpu_bytes_to_use=parse_bytes(vllm.get("cpuBytes", "4Gi")),
         timeout_seconds=float(vllm.get("timeoutSeconds", 2.0)),
+        scope=pod["metadata"].get("namespace") if spec.get("isolation") == "namespace" else None,
     )
     base = f"/spec/containers/{index}"
     patch: list[Manifest] = []

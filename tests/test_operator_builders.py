@@ -252,6 +252,17 @@ def test_pod_gets_the_connector_mounts_plugin_and_hash_seed() -> None:
     assert "privileged" not in json.dumps(pod)
 
 
+def test_namespace_isolation_scopes_the_plugin() -> None:
+    isolated = tier()
+    isolated["spec"]["isolation"] = "namespace"
+    pod = jsonpatch.apply_patch(copy.deepcopy(POD), mutate_pod(POD, isolated, SETTINGS).patch)
+    args = pod["spec"]["containers"][0]["args"]
+    config = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert config["kv_connector_extra_config"]["secondary_tiers"][0]["scope"] == "inference"
+    shared = injected(copy.deepcopy(POD))["spec"]["containers"][0]["args"]
+    assert "scope" not in json.loads(shared[-1])["kv_connector_extra_config"]["secondary_tiers"][0]
+
+
 def test_injection_is_idempotent() -> None:
     once = injected(copy.deepcopy(POD))
     assert mutate_pod(once, tier(), SETTINGS).patch == []

@@ -84,6 +84,26 @@ def test_other_fingerprint_gets_no_hits_and_is_reported(
     assert set(namespaces) == {fp16.tier.namespace, bf16.tier.namespace}
 
 
+def test_namespace_isolation_separates_engines(
+    agent_config: AgentConfig, agent_factory: StartAgent
+) -> None:
+    from kvtier.bench.vllm_scheduler import kvtier_extra_config
+
+    agent_factory(agent_config)
+    made = []
+    for scope in ("team-a", "team-b"):
+        extra = kvtier_extra_config(agent_config, 16)
+        extra["secondary_tiers"][0]["scope"] = scope
+        made.append(Engine(extra))
+    try:
+        made[0].store([7])
+        assert made[1].lookup([7])[0] == [MISS]
+        assert made[0].tier.namespace != made[1].tier.namespace
+    finally:
+        for engine in made:
+            engine.close()
+
+
 def test_agent_killed_mid_job_then_restarted(
     agent_config: AgentConfig, agent_factory: StartAgent, engines: MakeEngine
 ) -> None:
