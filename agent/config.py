@@ -242,7 +242,9 @@ class AgentConfig(_Model):
         return self.host.pool_dir / f"{self.name}.pool"
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
+        return yaml.safe_dump(
+            self.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=False
+        )
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str:

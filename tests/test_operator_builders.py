@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 import jsonpatch
@@ -297,3 +299,15 @@ def test_label_selectors() -> None:
         ]
     }
     assert selects(expr, {"tier": "a"}) and not selects(expr, {"tier": "a", "off": "1"})
+
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "llama-children.yaml"
+
+
+def test_children_match_the_golden_manifests() -> None:
+    """Any change to what the operator creates shows up as a reviewable diff of this file
+    (regenerate with KVTIER_UPDATE_GOLDEN=1)."""
+    rendered = yaml.safe_dump_all(build_children(tier(), SETTINGS), sort_keys=True)
+    if os.environ.get("KVTIER_UPDATE_GOLDEN"):
+        GOLDEN.write_text(rendered)
+    assert rendered == GOLDEN.read_text()
