@@ -275,6 +275,32 @@ def parse_config(data: Any) -> AgentConfig:
         raise ConfigError([_describe(e) for e in exc.errors()]) from None
 
 
+def scratch_config(
+    directory: Path,
+    name: str,
+    capacity: int | str,
+    chunk_bytes: int | str,
+    policy: str = "lru",
+    **fields: Any,
+) -> AgentConfig:
+    """An agent whose pool and socket live under `directory`, without a metrics port unless
+    `fields` says otherwise: what the demo, the benchmarks and the checks start."""
+    return parse_config(
+        {
+            "name": name,
+            "runDir": str(directory / "run"),
+            "host": {
+                "capacity": capacity,
+                "chunkBytes": chunk_bytes,
+                "policy": policy,
+                "poolDir": str(directory / "pool"),
+            },
+            "metrics": {"enabled": False},
+            **fields,
+        }
+    )
+
+
 def load_config(path: str | os.PathLike[str]) -> AgentConfig:
     try:
         text = Path(path).read_text()

@@ -23,7 +23,7 @@ import numpy as np
 from rich.progress import Progress
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig, parse_config
+from kvtier.agent.config import AgentConfig, scratch_config
 from kvtier.agent.pool import PAGE, Bytes
 from kvtier.agent.process import AgentProcess
 from kvtier.bench.baseline import memcpy_rows, run_threads, shared_buffer, tmpfs_buffer
@@ -37,18 +37,7 @@ KiB, MiB = 1 << 10, 1 << 20
 def bench_agent(chunk_bytes: int, slots: int) -> Iterator[AgentConfig]:
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
     try:
-        config = parse_config(
-            {
-                "name": "bench",
-                "runDir": str(scratch / "run"),
-                "host": {
-                    "capacity": PAGE + slots * (chunk_bytes + PAGE),
-                    "chunkBytes": chunk_bytes,
-                    "poolDir": str(scratch / "pool"),
-                },
-                "metrics": {"enabled": False},
-            }
-        )
+        config = scratch_config(scratch, "bench", PAGE + slots * (chunk_bytes + PAGE), chunk_bytes)
         with AgentProcess(config):
             yield config
     finally:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.agent.config import parse_config
+from kvtier.agent.config import scratch_config
 from kvtier.agent.pool import PAGE
 from kvtier.agent.process import AgentProcess
 from kvtier.bench.vllm_scheduler import Engine, chunk_row, kvtier_extra_config
@@ -55,18 +55,7 @@ def run(quick: bool, agent_python: str) -> dict[str, Any]:
     row, chunks, rounds = MiB, (64 if quick else 256), (2 if quick else 3)
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-", dir="/dev/shm"))
     try:
-        agent = parse_config(
-            {
-                "name": "bench-vllm",
-                "runDir": str(scratch / "run"),
-                "host": {
-                    "capacity": PAGE + (chunks + 8) * (row + PAGE),
-                    "chunkBytes": row,
-                    "poolDir": str(scratch / "pool"),
-                },
-                "metrics": {"enabled": False},
-            }
-        )
+        agent = scratch_config(scratch, "bench-vllm", PAGE + (chunks + 8) * (row + PAGE), row)
         with AgentProcess(agent, python=agent_python):
             engine = Engine(kvtier_extra_config(agent, chunks, row), row=row, step_sleep=0.001)
             try:

@@ -24,7 +24,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig, parse_config
+from kvtier.agent.config import AgentConfig, scratch_config
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.units import format_bytes
 from kvtier.workload import WorkloadShape, chunk_keys, conversation_turns, row_for
@@ -130,19 +130,14 @@ def demo_config(scratch: Path, options: DemoOptions) -> AgentConfig:
         tiers.append(
             {"name": "demo-fs", "filesystem": {"path": str(options.fs_dir), "capacity": "1Gi"}}
         )
-    return parse_config(
-        {
-            "name": "demo",
-            "runDir": str(scratch / "run"),
-            "host": {
-                "capacity": options.capacity,
-                "chunkBytes": ROW_BYTES,
-                "policy": options.policy,
-                "poolDir": str(scratch / "pool"),
-            },
-            "tiers": tiers,
-            "metrics": {"port": 0, "host": "127.0.0.1"},
-        }
+    return scratch_config(
+        scratch,
+        "demo",
+        options.capacity,
+        ROW_BYTES,
+        options.policy,
+        tiers=tiers,
+        metrics={"port": 0, "host": "127.0.0.1"},
     )
 
 

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import parse_config
+from kvtier.agent.config import scratch_config
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.transfer_config import build_kv_transfer_config
 
@@ -93,18 +93,7 @@ def run_engines(vllm_python: Path, console: Console) -> dict[str, Any]:
     )
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-demo-vllm-", dir="/dev/shm"))
     try:
-        agent = parse_config(
-            {
-                "name": "demo-vllm",
-                "runDir": str(scratch / "run"),
-                "host": {
-                    "capacity": "64Mi",
-                    "chunkBytes": "64Ki",
-                    "poolDir": str(scratch / "pool"),
-                },
-                "metrics": {"enabled": False},
-            }
-        )
+        agent = scratch_config(scratch, "demo-vllm", "64Mi", "64Ki")
         kv = build_kv_transfer_config(
             agent,
             cpu_bytes_to_use=4 << 20,

@@ -6,7 +6,7 @@ One engine serves a model with the injected kvtier config (no CPU harness: vLLM'
 offloading worker). An 8k-token prompt is sent, vLLM's prefix cache and its own host tier
 are reset, and the prompt is sent again: the second prefill loads from the node agent. A
 fresh prompt of the same length measures recompute. The model is built locally (random
-weights, Llama shape), since GPU machines here reach no model hub.
+weights, Llama-1B shape), since GPU machines here reach no model hub.
 """
 
 from __future__ import annotations
@@ -37,34 +37,6 @@ def gpu_available() -> str | None:
     return None
 
 
-def build_model(directory: Path) -> Path:
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(8000)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    ).save_pretrained(directory)
-    config = LlamaConfig(
-        vocab_size=8192,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=16,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        max_position_embeddings=16384,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="bfloat16",
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
-    return directory
-
-
 def ttft(llm: object, prompt: str) -> float:
     from vllm import SamplingParams
 
@@ -81,22 +53,27 @@ def main() -> int:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from kvtier.agent.config import parse_config
+    from kvtier.agent.config import scratch_config
     from kvtier.agent.process import AgentProcess
     from kvtier.agent.transfer_config import build_kv_transfer_config
 
     os.environ.setdefault("PYTHONHASHSEED", "0")
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-gpu-", dir="/dev/shm"))
     try:
-        model = build_model(scratch / "model")
-        agent = parse_config(
-            {
-                "name": "gpu",
-                "runDir": str(scratch / "run"),
-                "host": {"capacity": "8Gi", "chunkBytes": "8Mi", "poolDir": str(scratch / "pool")},
-                "metrics": {"enabled": False},
-            }
+        from e2e.vllm_engine.tiny_model import build
+
+        model = build(
+            scratch / "model",
+            words=8000,
+            hidden=2048,
+            layers=16,
+            heads=16,
+            kv_heads=4,
+            intermediate=5632,
+            dtype="bfloat16",
+            max_positions=16384,
         )
+        agent = scratch_config(scratch, "gpu", "8Gi", "8Mi")
         kv = build_kv_transfer_config(agent, cpu_bytes_to_use=2 << 30)
         with AgentProcess(agent, python=os.environ.get("KVTIER_AGENT_PYTHON")):
             llm = LLM(

@@ -35,23 +35,21 @@ class TorchCopyWorker(OffloadingWorker):
     def _index(ids: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(ids, dtype=np.int64))
 
-    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        blocks, chunks = self._index(src_spec.block_ids), self._index(dst_spec.block_ids)
+    def _copy(self, job_id: int, src: Any, dst: Any, to_host: bool) -> bool:
+        src_ids, dst_ids = self._index(src.block_ids), self._index(dst.block_ids)
         size = 0
         for engine, host in self.pairs:
-            host.index_copy_(0, chunks, engine.index_select(0, blocks))
-            size += engine.shape[1] * len(blocks)
+            source, target = (engine, host) if to_host else (host, engine)
+            target.index_copy_(0, dst_ids, source.index_select(0, src_ids))
+            size += engine.shape[1] * len(src_ids)
         self.finished.append(TransferResult(job_id, True, transfer_size=size))
         return True
 
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        return self._copy(job_id, src_spec, dst_spec, to_host=True)
+
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        chunks, blocks = self._index(src_spec.block_ids), self._index(dst_spec.block_ids)
-        size = 0
-        for engine, host in self.pairs:
-            engine.index_copy_(0, blocks, host.index_select(0, chunks))
-            size += engine.shape[1] * len(blocks)
-        self.finished.append(TransferResult(job_id, True, transfer_size=size))
-        return True
+        return self._copy(job_id, src_spec, dst_spec, to_host=False)
 
     def get_finished(self) -> list[TransferResult]:
         finished, self.finished = self.finished, []
