@@ -1,0 +1,167 @@
+"""The Helm chart: lints strictly, renders for several value sets, and every rendered object
+validates against the Kubernetes 1.33 schemas (the Prometheus Operator and cert-manager
+kinds, which those schemas do not cover, are checked for shape)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvtier.agent.config import parse_config
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "kvtier"
+HELM = str(Path(sys.executable).parent / "helm")
+FOREIGN = {"PodMonitor", "Certificate", "Issuer"}
+METRICS = {
+    "kvtier_hits_total",
+    "kvtier_lookups_total",
+    "kvtier_tier_used_bytes",
+    "kvtier_store_bytes_total",
+    "kvtier_request_seconds_bucket",
+}
+
+VALUE_SETS: dict[str, list[str]] = {
+    "defaults": [],
+    "ha-monitoring": [
+        "--set",
+        "operator.replicas=2",
+        "--set",
+        "metrics.podMonitor.enabled=true",
+        "--set",
+        "metrics.grafanaDashboard.enabled=true",
+        "--set",
+        "operator.watchNamespaces={inference,batch}",
+    ],
+    "cert-manager": ["--set", "webhook.certManager.enabled=true", "--set", "image.tag=0.1.0-rc1"],
+}
+
+
+def helm(*args: str) -> str:
+    proc = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def render(*args: str) -> list[dict[str, Any]]:
+    text = helm(
+        "template", "kv", str(CHART), "--namespace", "kvtier-system", "--include-crds", *args
+    )
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def test_lints_strictly() -> None:
+    helm("lint", "--strict", str(CHART))
+
+
+@pytest.mark.parametrize("values", list(VALUE_SETS), ids=list(VALUE_SETS))
+def test_renders_valid_objects(values: str) -> None:
+    objects = render(*VALUE_SETS[values])
+    kinds = {o["kind"] for o in objects}
+    assert {
+        "CustomResourceDefinition",
+        "Deployment",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "MutatingWebhookConfiguration",
+        "Service",
+        "ServiceAccount",
+    } <= kinds
+    for obj in objects:
+        if obj["kind"] in FOREIGN:
+            assert obj["apiVersion"].split("/")[0] in {"monitoring.coreos.com", "cert-manager.io"}
+            continue
+        kubernetes_validate.validate(obj, "1.33", strict=True)
+
+
+def test_crds_come_from_the_single_source() -> None:
+    crds = [o for o in render() if o["kind"] == "CustomResourceDefinition"]
+    source = [yaml.safe_load(p.read_text()) for p in sorted((REPO / "crds").glob("*.yaml"))]
+    assert sorted(crds, key=lambda c: c["metadata"]["name"]) == sorted(
+        source, key=lambda c: c["metadata"]["name"]
+    )
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    return next(o for o in objects if o["kind"] == kind)
+
+
+def test_rbac_is_least_privilege() -> None:
+    role = by_kind(render(), "ClusterRole")
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+        assert "delete" not in rule["verbs"]
+    secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
+    assert secrets and all(r["verbs"] == ["get"] for r in secrets)
+
+
+def test_webhook_never_blocks_pods_and_has_a_ca() -> None:
+    objects = render()
+    (hook,) = by_kind(objects, "MutatingWebhookConfiguration")["webhooks"]
+    assert hook["failurePolicy"] == "Ignore" and hook["timeoutSeconds"] <= 10
+    assert hook["clientConfig"]["service"]["path"] == "/kvtier-inject"
+    assert hook["clientConfig"]["caBundle"]
+    assert hook["rules"][0]["operations"] == ["CREATE"]
+    secret = by_kind(objects, "Secret")
+    assert secret["type"] == "kubernetes.io/tls"
+    with_cm = render(*VALUE_SETS["cert-manager"])
+    assert (
+        "cert-manager.io/inject-ca-from"
+        in by_kind(with_cm, "MutatingWebhookConfiguration")["metadata"]["annotations"]
+    )
+
+
+def test_operator_runs_unprivileged_with_its_settings() -> None:
+    deployment = by_kind(render(*VALUE_SETS["ha-monitoring"]), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["securityContext"]["privileged"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["KVTIER_PEERING"] and deployment["spec"]["replicas"] == 2
+    assert "--namespace=inference" in container["args"]
+
+
+def test_dashboard_charts_the_agents_metrics() -> None:
+    config_map = next(
+        o
+        for o in render(*VALUE_SETS["ha-monitoring"])
+        if o["kind"] == "ConfigMap" and "dashboard" in o["metadata"]["name"]
+    )
+    dashboard = json.loads(config_map["data"]["kvtier.json"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    assert all(metric in exprs for metric in METRICS)
+
+
+def test_bad_values_are_refused_by_the_schema() -> None:
+    proc = subprocess.run(
+        [HELM, "template", "kv", str(CHART), "--set", "operator.replicas=0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "replicas" in proc.stderr
+
+
+def test_examples_are_admitted_and_render_agent_configs() -> None:
+    from kvtier.operator.builders import build_agent_config
+    from kvtier.operator.settings import OperatorSettings
+    from tests.apiserver_rules import admit, load_crd
+
+    examples = sorted((REPO / "examples").glob("*.yaml"))
+    assert len(examples) >= 4
+    for path in examples:
+        resource = yaml.safe_load(path.read_text())
+        resource["metadata"].setdefault("namespace", "inference")
+        stored, errors = admit(load_crd("kvcachetier.yaml"), resource)
+        assert errors == [], (path.name, errors)
+        stored["metadata"]["uid"] = "x"
+        config = build_agent_config(stored, OperatorSettings())
+        assert parse_config(yaml.safe_load(config.to_yaml())) == config
