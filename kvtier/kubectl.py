@@ -1,0 +1,223 @@
+"""`kubectl kvtier`: what the kvtier cache is doing, and why a pod gets no hits.
+
+Installed as the `kubectl-kvtier` command, which kubectl runs as a plug-in. Reads the same
+objects `kubectl get kvt,kvn` shows and the pods' injection annotations, through the
+current kubeconfig context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvtier.agent.units import format_bytes
+
+GROUP = "/apis/kvtier.io/v1alpha1"
+STALE_SECONDS = 60.0
+
+
+async def _client() -> Any:
+    import kopf
+
+    from kvtier.operator.kube import KubeClient
+
+    info = kopf.login_with_kubeconfig(
+        settings=kopf.OperatorSettings(), logger=logging.getLogger("kubectl-kvtier")
+    )
+    if info is None:
+        raise SystemExit("no kubeconfig: set KUBECONFIG or create ~/.kube/config")
+    return KubeClient(info)
+
+
+def _items(listing: dict[str, Any] | None) -> list[dict[str, Any]]:
+    return list((listing or {}).get("items", []))
+
+
+def _path(namespace: str | None, plural: str) -> str:
+    return f"{GROUP}/namespaces/{namespace}/{plural}" if namespace else f"{GROUP}/{plural}"
+
+
+def _fresh(status: dict[str, Any], now: dt.datetime) -> bool:
+    beat = status.get("heartbeat")
+    if not beat:
+        return False
+    when = dt.datetime.fromisoformat(beat.replace("Z", "+00:00"))
+    return (now - when).total_seconds() <= STALE_SECONDS
+
+
+async def collect_status(namespace: str | None) -> dict[str, Any]:
+    client = await _client()
+    try:
+        tiers = _items(await client.request("GET", _path(namespace, "kvcachetiers")))
+        nodes = _items(await client.request("GET", _path(namespace, "kvcachenodes")))
+    finally:
+        await client.close()
+    now = dt.datetime.now(dt.UTC)
+    report = []
+    for tier in tiers:
+        meta, status = tier["metadata"], tier.get("status") or {}
+        agents = []
+        for node in nodes:
+            if node["metadata"]["namespace"] != meta["namespace"]:
+                continue
+            if node["spec"].get("tier") != meta["name"]:
+                continue
+            ns = node.get("status") or {}
+            lookups = int(ns.get("lookups", 0))
+            agents.append(
+                {
+                    "node": node["spec"]["node"],
+                    "ready": _fresh(ns, now),
+                    "tiers": ns.get("tiers", []),
+                    "hitRate": (int(ns.get("hits", 0)) / lookups) if lookups else None,
+                    "peers": ns.get("peers", []),
+                    "fingerprints": ns.get("fingerprints", []),
+                }
+            )
+        report.append(
+            {
+                "namespace": meta["namespace"],
+                "name": meta["name"],
+                "conditions": {c["type"]: c["status"] for c in status.get("conditions", [])},
+                "summary": status.get("summary", {}),
+                "agents": agents,
+            }
+        )
+    return {"tiers": report}
+
+
+def render_status(report: dict[str, Any], console: Console) -> None:
+    if not report["tiers"]:
+        console.print("no KVCacheTier found")
+    for tier in report["tiers"]:
+        conditions = ", ".join(f"{k}={v}" for k, v in tier["conditions"].items())
+        console.print(f"[bold]{tier['namespace']}/{tier['name']}[/bold]  {conditions}")
+        table = Table()
+        for col in ("node", "ready", "tier", "used/capacity", "hit rate", "peers", "fingerprints"):
+            table.add_column(col)
+        for agent in tier["agents"]:
+            rate = f"{agent['hitRate']:.0%}" if agent["hitRate"] is not None else "-"
+            for i, t in enumerate(agent["tiers"] or [{}]):
+                table.add_row(
+                    agent["node"] if i == 0 else "",
+                    str(agent["ready"]) if i == 0 else "",
+                    t.get("name", "-"),
+                    f"{format_bytes(t.get('usedBytes', 0))}/"
+                    f"{format_bytes(t.get('capacityBytes', 0))}",
+                    rate if i == 0 else "",
+                    str(len(agent["peers"])) if i == 0 else "",
+                    ", ".join(agent["fingerprints"]) if i == 0 else "",
+                )
+        console.print(table)
+
+
+async def explain_miss(namespace: str, pod_name: str) -> dict[str, Any]:
+    """Reasons, most fundamental first, why a pod's engine may get no hits from kvtier."""
+    client = await _client()
+    try:
+        pod = await client.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod_name}")
+        tiers = _items(await client.request("GET", _path(namespace, "kvcachetiers")))
+        nodes = _items(await client.request("GET", _path(namespace, "kvcachenodes")))
+    finally:
+        await client.close()
+    if pod is None:
+        return {"pod": pod_name, "reasons": [f"pod {namespace}/{pod_name} not found"]}
+    from kvtier.operator.webhook import INJECTED, SKIPPED, TIER, selects
+
+    annotations = pod["metadata"].get("annotations") or {}
+    reasons: list[str] = []
+    tier_name = annotations.get(TIER)
+    if INJECTED not in annotations:
+        if SKIPPED in annotations:
+            reasons.append(f"not injected: {annotations[SKIPPED]}")
+        else:
+            labels = pod["metadata"].get("labels") or {}
+            matching = [
+                t["metadata"]["name"]
+                for t in tiers
+                if selects(t["spec"].get("podSelector", {}), labels)
+            ]
+            reasons.append(
+                "not injected: created before the webhook ran or the webhook was "
+                "unreachable; recreate the pod"
+                if matching
+                else f"not injected: no KVCacheTier in {namespace} selects its labels {labels}"
+            )
+        return {"pod": pod_name, "tier": tier_name, "reasons": reasons}
+    tier = next((t for t in tiers if t["metadata"]["name"] == tier_name), None)
+    if tier is None:
+        return {
+            "pod": pod_name,
+            "tier": tier_name,
+            "reasons": [f"injected for KVCacheTier {tier_name}, which no longer exists"],
+        }
+    status = tier.get("status") or {}
+    conditions = {c["type"]: c for c in status.get("conditions", [])}
+    if conditions.get("ConfigValid", {}).get("status") == "False":
+        reasons.append(f"tier config invalid: {conditions['ConfigValid'].get('message')}")
+    if conditions.get("FingerprintConflict", {}).get("status") == "True":
+        reasons.append(f"fingerprint mismatch: {conditions['FingerprintConflict'].get('message')}")
+    node_name = pod["spec"].get("nodeName")
+    now = dt.datetime.now(dt.UTC)
+    agent = next(
+        (
+            n
+            for n in nodes
+            if n["spec"].get("tier") == tier_name and n["spec"].get("node") == node_name
+        ),
+        None,
+    )
+    if agent is None:
+        reasons.append(f"agent down: no agent of {tier_name} reports from node {node_name}")
+    elif not _fresh(agent.get("status") or {}, now):
+        reasons.append(
+            f"agent down: the agent on {node_name} has not reported for over {STALE_SECONDS:.0f}s"
+        )
+    if not reasons:
+        reasons.append(
+            "injected and the agent is up: misses are chunks no engine stored yet "
+            "(or evicted); see kubectl kvtier status for occupancy and hit rates"
+        )
+    return {"pod": pod_name, "tier": tier_name, "node": node_name, "reasons": reasons}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kubectl kvtier", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    status = sub.add_parser("status", help="per node and tier: occupancy, hit rate, peers")
+    status.add_argument("-n", "--namespace", default=None)
+    status.add_argument("-A", "--all-namespaces", action="store_true")
+    status.add_argument("--json", action="store_true")
+    explain = sub.add_parser("explain-miss", help="why a pod gets no hits")
+    explain.add_argument("pod")
+    explain.add_argument("-n", "--namespace", default="default")
+    explain.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.command == "status":
+        namespace = None if args.all_namespaces else (args.namespace or "default")
+        report = asyncio.run(collect_status(namespace))
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            render_status(report, Console())
+        return 0
+    result = asyncio.run(explain_miss(args.namespace, args.pod))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for reason in result["reasons"]:
+            print(f"- {reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""`kubectl kvtier` against a stateful API server on loopback, as a user runs it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.kube_api import KubeAPI
+
+NS = "inference"
+GROUP = "/apis/kvtier.io/v1alpha1"
+
+
+def stamp(seconds_ago: float) -> str:
+    when = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=seconds_ago)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeAPI]:
+    with KubeAPI(tmp_path_factory.mktemp("kubectl")) as api:
+        tier = {
+            "apiVersion": "kvtier.io/v1alpha1",
+            "kind": "KVCacheTier",
+            "metadata": {"name": "llama", "namespace": NS},
+            "spec": {"podSelector": {"matchLabels": {"app": "vllm"}}, "host": {"capacity": "8Gi"}},
+            "status": {
+                "conditions": [
+                    {"type": "ConfigValid", "status": "True"},
+                    {
+                        "type": "FingerprintConflict",
+                        "status": "True",
+                        "message": "engines of llama-3-8b run with different settings",
+                    },
+                ]
+            },
+        }
+        api.request("POST", f"{GROUP}/namespaces/{NS}/kvcachetiers", tier)
+        for node, ago in (("gpu-a", 5), ("gpu-b", 600)):
+            api.request(
+                "POST",
+                f"{GROUP}/namespaces/{NS}/kvcachenodes",
+                {
+                    "apiVersion": "kvtier.io/v1alpha1",
+                    "kind": "KVCacheNode",
+                    "metadata": {"name": f"llama-{node}", "namespace": NS},
+                    "spec": {"tier": "llama", "node": node},
+                    "status": {
+                        "heartbeat": stamp(ago),
+                        "lookups": 10,
+                        "hits": 4,
+                        "peers": ["gpu-b"],
+                        "fingerprints": ["llama-3-8b-aaaa1111"],
+                        "tiers": [{"name": "host", "usedBytes": 1 << 30, "capacityBytes": 8 << 30}],
+                    },
+                },
+            )
+        pods = [
+            (
+                "injected-a",
+                "gpu-a",
+                {"kvtier.io/tier": "llama", "kvtier.io/injected": "{}"},
+                "vllm",
+            ),
+            (
+                "injected-b",
+                "gpu-b",
+                {"kvtier.io/tier": "llama", "kvtier.io/injected": "{}"},
+                "vllm",
+            ),
+            (
+                "skipped",
+                "gpu-a",
+                {"kvtier.io/tier": "llama", "kvtier.io/skipped": "the command is a shell string"},
+                "vllm",
+            ),
+            ("unselected", "gpu-a", {}, "web"),
+        ]
+        for name, node, annotations, app in pods:
+            api.request(
+                "POST",
+                f"/api/v1/namespaces/{NS}/pods",
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {
+                        "name": name,
+                        "namespace": NS,
+                        "labels": {"app": app},
+                        "annotations": annotations,
+                    },
+                    "spec": {"nodeName": node, "containers": [{"name": "vllm", "image": "x"}]},
+                },
+            )
+        yield api
+
+
+def kubectl_kvtier(api: KubeAPI, *args: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "kubectl-kvtier"), *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KUBECONFIG": str(api.kubeconfig)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return dict(json.loads(proc.stdout))
+
+
+def test_status_per_node_and_tier(api: KubeAPI) -> None:
+    report = kubectl_kvtier(api, "status", "-n", NS)
+    (tier,) = report["tiers"]
+    assert tier["conditions"]["FingerprintConflict"] == "True"
+    agents = {a["node"]: a for a in tier["agents"]}
+    assert agents["gpu-a"]["ready"] is True and agents["gpu-b"]["ready"] is False
+    assert agents["gpu-a"]["hitRate"] == 0.4
+    assert agents["gpu-a"]["tiers"][0]["usedBytes"] == 1 << 30
+    assert kubectl_kvtier(api, "status", "-A")["tiers"][0]["name"] == "llama"
+
+
+@pytest.mark.parametrize(
+    ("pod", "expected"),
+    [
+        ("skipped", "not injected: the command is a shell string"),
+        ("unselected", "no KVCacheTier in inference selects"),
+        ("injected-a", "fingerprint mismatch"),
+        ("injected-b", "agent down: the agent on gpu-b has not reported"),
+        ("missing", "not found"),
+    ],
+)
+def test_explain_miss(api: KubeAPI, pod: str, expected: str) -> None:
+    result = kubectl_kvtier(api, "explain-miss", pod, "-n", NS)
+    assert any(expected in reason for reason in result["reasons"]), result
