@@ -75,6 +75,7 @@ def _demo(args: argparse.Namespace) -> int:
             capacity=args.capacity,
             fs_dir=None if args.no_fs else args.fs_dir,
             vllm_python=args.vllm_python,
+            plot=args.plot,
             as_json=args.json,
         )
     )
@@ -167,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also run two vLLM engines sharing one agent, with this vLLM environment's "
         "Python (make demo passes .venv-vllm/bin/python)",
+    )
+    demo.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="draw hit rate by tier and occupancy over the run into a PNG",
     )
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.set_defaults(func=_demo)

@@ -42,6 +42,7 @@ class DemoOptions:
     capacity: str = "12Mi"
     fs_dir: Path | None = Path(".scratch/demo-fs")
     vllm_python: Path | None = None
+    plot: Path | None = None
     as_json: bool = False
 
 
@@ -67,6 +68,8 @@ class ClientReport:
 class DemoReport:
     clients: list[ClientReport] = field(default_factory=list)
     agent: dict[str, Any] = field(default_factory=dict)
+    # One point per completed turn: cumulative hits by tier and occupancy, for --plot.
+    timeline: list[dict[str, float]] = field(default_factory=list)
 
     def total(self, name: str) -> int:
         return sum(getattr(c, name) for c in self.clients)
@@ -119,9 +122,36 @@ def replay(index: int, endpoint: str, options: DemoOptions, events: mp.Queue[Any
             report.chunks_stored += result.stored
             report.bytes_loaded += usable * ROW_BYTES
             report.bytes_stored += result.stored * ROW_BYTES
-            events.put(("turn", index))
+            events.put(
+                (
+                    "turn",
+                    (
+                        found.where[:prefix].count(0),
+                        prefix - found.where[:prefix].count(0),
+                        len(keys),
+                    ),
+                )
+            )
     report.seconds = time.perf_counter() - started
     events.put(("done", asdict(report)))
+
+
+def sample(
+    timeline: list[dict[str, float]], turn: tuple[int, int, int], client: AgentClient
+) -> dict[str, float]:
+    """Add one finished turn to the running totals and read the agent's occupancy."""
+    host, fs, looked = turn
+    last = timeline[-1] if timeline else {"host": 0.0, "fs": 0.0, "looked": 0.0}
+    stats = client.stats()
+    tiers = stats.get("tiers", [])
+    return {
+        "turn": float(len(timeline) + 1),
+        "host": last["host"] + host,
+        "fs": last["fs"] + fs,
+        "looked": last["looked"] + looked,
+        "host_used": stats["used_bytes"] / max(1, stats["capacity_bytes"]),
+        "fs_used_bytes": float(sum(t["used_bytes"] for t in tiers)),
+    }
 
 
 def demo_config(scratch: Path, options: DemoOptions) -> AgentConfig:
@@ -160,12 +190,14 @@ def run_workload(options: DemoOptions, console: Console) -> DemoReport:
             total = options.clients * options.conversations * options.turns
             with Progress(console=console, transient=True, disable=options.as_json) as progress:
                 task = progress.add_task("replaying chats", total=total)
-                while len(report.clients) < options.clients:
-                    kind, payload = events.get(timeout=120)
-                    if kind == "turn":
-                        progress.advance(task)
-                    else:
-                        report.clients.append(ClientReport(**payload))
+                with AgentClient(config.endpoint) as watcher:
+                    while len(report.clients) < options.clients:
+                        kind, payload = events.get(timeout=120)
+                        if kind == "turn":
+                            progress.advance(task)
+                            report.timeline.append(sample(report.timeline, payload, watcher))
+                        else:
+                            report.clients.append(ClientReport(**payload))
             for proc in procs:
                 proc.join(timeout=30)
             with AgentClient(config.endpoint) as client:
@@ -254,6 +286,11 @@ def render(report: DemoReport, console: Console) -> None:
 def run_demo(options: DemoOptions) -> int:
     console = Console(stderr=options.as_json)
     report = run_workload(options, console)
+    if options.plot is not None:
+        from kvtier.plot import plot_demo
+
+        plot_demo(report.timeline, options.plot)
+        console.print(f"plot written to {options.plot}")
     engines = None
     if options.vllm_python is not None:
         from kvtier import demo_vllm

@@ -113,3 +113,22 @@ def test_demo_filesystem_tier_serves_what_the_small_pool_evicted(tmp_path: Path)
     assert tiered["agent"]["tiers"][0]["promotions"] > 0
     assert host_only["summary"]["hits_from_filesystem"] == 0
     assert tiered["summary"]["hit_rate"] > host_only["summary"]["hit_rate"]
+
+
+def test_demo_plot_is_a_png(tmp_path: Path) -> None:
+    png = tmp_path / "demo.png"
+    proc = run(
+        "demo",
+        "--clients",
+        "2",
+        "--conversations",
+        "2",
+        "--turns",
+        "2",
+        "--fs-dir",
+        str(tmp_path / "fs"),
+        "--plot",
+        str(png),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
