@@ -25,3 +25,12 @@ def test_reference_covers_every_tier_field() -> None:
         "spec.vllm.cpuBytes",
     ):
         assert f"`{field}`" in text
+
+
+def test_image_serves_the_plugin_where_the_webhook_copies_it_from() -> None:
+    from kvtier.operator.settings import OperatorSettings
+
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert OperatorSettings().plugin_dir in dockerfile
+    assert f"USER {OperatorSettings().agent_uid}" in dockerfile
+    assert "torch" not in (REPO / "requirements" / "base.txt").read_text()
