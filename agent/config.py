@@ -185,6 +185,35 @@ class TierConfig(_Model):
         return "filesystem" if self.filesystem is not None else "objectStore"
 
 
+class ReportConfig(_Model):
+    """Where the agent publishes its report (occupancy, hits, fingerprints, heartbeat)."""
+
+    target: Literal["none", "kubernetes", "file"] = Field(
+        default="none",
+        description="kubernetes: its own KVCacheNode (in-cluster credentials, else the "
+        "kubeconfig); file: a JSON file per node in `directory`.",
+    )
+    namespace: str | None = Field(default=None, description="Namespace of the KVCacheTier.")
+    tier: str | None = Field(default=None, description="Name of the KVCacheTier.")
+    node: str | None = Field(default=None, description="Node name; default $NODE_NAME.")
+    directory: Path | None = None
+    interval_seconds: float = Field(default=10.0, gt=0, description="Heartbeat period.")
+    min_interval_seconds: float = Field(
+        default=2.0, gt=0, description="Changes are published at most this often."
+    )
+
+    @model_validator(mode="after")
+    def _target_fields(self) -> ReportConfig:
+        if self.target == "kubernetes" and not (self.namespace and self.tier):
+            raise ValueError(
+                "report.target kubernetes needs report.namespace and report.tier; "
+                "fix: set both (the operator does)"
+            )
+        if self.target == "file" and self.directory is None:
+            raise ValueError("report.target file needs report.directory; fix: set it")
+        return self
+
+
 class MetricsConfig(_Model):
     enabled: bool = True
     host: str = "0.0.0.0"
@@ -217,6 +246,7 @@ class AgentConfig(_Model):
     )
     reap_interval_seconds: float = Field(default=1.0, gt=0)
     metrics: MetricsConfig = MetricsConfig()
+    report: ReportConfig = ReportConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @model_validator(mode="after")

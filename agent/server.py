@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
+from typing import Any
 
 import msgspec
 import zmq
@@ -26,6 +27,7 @@ from kvtier.agent.config import AgentConfig, check_runtime
 from kvtier.agent.host_tier import HostTier
 from kvtier.agent.liveness import ClientRegistry
 from kvtier.agent.metrics import AgentMetrics
+from kvtier.agent.report import Reporter, make_registry
 from kvtier.agent.secondary import MISS, SecondaryTiers
 
 log = logging.getLogger("kvtier.agent")
@@ -65,9 +67,24 @@ class Agent:
         self._replies.bind(self._replies_addr)
         self._local = threading.local()
         self._workers = ThreadPoolExecutor(8, thread_name_prefix="kvtier-request")
+        registry = make_registry(config.report)
+        self.reporter = (
+            Reporter(config.report, registry, self.stats) if registry is not None else None
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.host.stats(),
+            "tiers": self.tiers.stats() if self.tiers is not None else [],
+            "clients": len(self.clients),
+            "name": self.config.name,
+            "metrics_port": self.metrics_port,
+        }
 
     def serve(self) -> None:
         cfg = self.config
+        if self.reporter is not None:
+            self.reporter.start()
         if cfg.metrics.enabled:
             self.metrics_port = self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
         log.info(
@@ -99,6 +116,8 @@ class Agent:
         self.close()
 
     def close(self) -> None:
+        if self.reporter is not None:
+            self.reporter.stop()
         self._workers.shutdown(wait=True, cancel_futures=True)
         self._sock.close()
         self._replies.close()
@@ -173,15 +192,7 @@ class Agent:
                     batch = host.index.events.since(namespace, after)
                 return p.EventsReply(batch.seq, batch.stored, batch.evicted, batch.truncated)
             case p.Stats():
-                return p.StatsReply(
-                    {
-                        **host.stats(),
-                        "tiers": self.tiers.stats() if self.tiers is not None else [],
-                        "clients": len(self.clients),
-                        "name": self.config.name,
-                        "metrics_port": self.metrics_port,
-                    }
-                )
+                return p.StatsReply(self.stats())
         return p.Ack()
 
     def _lookup_tiers(self, namespace: str, keys: list[bytes], hits: list[bool]) -> p.Reply:

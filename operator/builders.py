@@ -92,6 +92,12 @@ def build_agent_config(tier: Manifest, settings: OperatorSettings) -> AgentConfi
             },
             "tiers": tiers,
             "metrics": {"port": agent.get("metricsPort", 9400)},
+            # Each agent writes its own KVCacheNode, which the operator aggregates.
+            "report": {
+                "target": "kubernetes",
+                "namespace": meta["namespace"],
+                "tier": meta["name"],
+            },
         }
     )
 

@@ -365,3 +365,49 @@ def test_injected_pods_are_counted(cluster: tuple[KubeAPI, int], tier: dict[str,
     }
     assert api.request("POST", f"/api/v1/namespaces/{NS}/pods", pod)[0] in (200, 201)
     wait_for(lambda: tier_status(api).get("injectedPods") == 1)
+
+
+def test_a_real_agent_reports_itself_and_the_tier_status_counts_it(
+    cluster: tuple[KubeAPI, int],
+    tier: dict[str, Any],
+    scratch: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvtier.agent.client import AgentClient
+    from kvtier.agent.config import scratch_config
+    from kvtier.agent.process import AgentProcess
+    from tests.helpers import NS as CHUNKS
+    from tests.helpers import key, row
+
+    api, _ = cluster
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+    config = scratch_config(
+        scratch,
+        "report-test",
+        "4Mi",
+        "64Ki",
+        report={
+            "target": "kubernetes",
+            "namespace": NS,
+            "tier": "llama",
+            "node": "gpu-real",
+            "intervalSeconds": 0.5,
+            "minIntervalSeconds": 0.2,
+        },
+    )
+    with AgentProcess(config), AgentClient(config.endpoint) as client:
+        client.store(CHUNKS, [key(i) for i in range(5)], [row(i, 64 << 10) for i in range(5)])
+        client.lookup(CHUNKS, [key(0), key(99)])
+
+        def reported() -> dict[str, Any] | None:
+            node = get(api, f"{NODES}/llama-gpu-real") or {}
+            status = node.get("status") or {}
+            return status if status.get("lookups") == 2 else None
+
+        status = wait_for(reported)
+    host = status["tiers"][0]
+    assert host["name"] == "host" and host["chunks"] == 5 and host["usedBytes"] == 5 * (64 << 10)
+    assert status["hits"] == 1 and status["fingerprints"] == [CHUNKS]
+    wait_for(
+        lambda: tier_status(api).get("fingerprints") and CHUNKS in tier_status(api)["fingerprints"]
+    )

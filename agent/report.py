@@ -1,0 +1,205 @@
+"""The agent's report: what it holds and how it serves, published where the operator and
+`kubectl` read it (its own KVCacheNode), at a bounded rate.
+
+Published when something meaningful changed, but at most every `minIntervalSeconds`, and at
+least every `intervalSeconds` as a heartbeat: a thousand agents with steady traffic cost the
+API server one small write per agent per heartbeat, not one per request.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import socket
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kvtier
+from kvtier.agent.config import ReportConfig
+
+log = logging.getLogger("kvtier.agent.report")
+KVN = "/apis/kvtier.io/v1alpha1/namespaces/{namespace}/kvcachenodes"
+
+
+def build_report(stats: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
+    """KVCacheNode status from the agent's stats (as the `stats` request returns them)."""
+    tiers = [
+        {
+            "name": "host",
+            "usedBytes": stats["used_bytes"],
+            "capacityBytes": stats["capacity_bytes"],
+            "chunks": stats["chunks"],
+            "hits": stats["hits"],
+            "misses": stats["lookups"] - stats["hits"],
+        }
+    ]
+    secondary_hits = 0
+    for tier in stats.get("tiers", []):
+        secondary_hits += int(tier.get("hits", 0))
+        tiers.append(
+            {
+                "name": tier["name"],
+                "usedBytes": tier["used_bytes"],
+                "capacityBytes": tier["capacity_bytes"],
+                "chunks": tier["chunks"],
+                "hits": tier.get("hits", 0),
+                "misses": tier.get("misses", 0),
+            }
+        )
+    lookups, hits = int(stats["lookups"]), int(stats["hits"]) + secondary_hits
+    return {
+        "heartbeat": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "ready": True,
+        "tiers": tiers,
+        "lookups": lookups,
+        "hits": hits,
+        "peers": [],
+        "fingerprints": sorted(stats.get("namespaces", {})),
+        "summary": {
+            "host": f"{stats['used_bytes'] >> 20}Mi/{stats['capacity_bytes'] >> 20}Mi",
+            "hitRate": f"{hits / lookups:.0%}" if lookups else "-",
+        },
+    }
+
+
+class Registry(ABC):
+    @abstractmethod
+    def publish(self, status: dict[str, Any]) -> None: ...
+
+
+class FileRegistry(Registry):
+    """One JSON file per node: single-machine setups and tests."""
+
+    def __init__(self, directory: Path, node: str) -> None:
+        self.path = directory / f"{node}.json"
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def publish(self, status: dict[str, Any]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(status))
+        os.replace(tmp, self.path)
+
+
+class KubernetesRegistry(Registry):
+    """The agent's own KVCacheNode: created once, then its status patched."""
+
+    def __init__(self, config: ReportConfig, node: str) -> None:
+        import kopf
+
+        logger = logging.getLogger("kvtier.agent.login")
+        settings = kopf.OperatorSettings()
+        info = kopf.login_with_service_account(settings=settings, logger=logger) or (
+            kopf.login_with_kubeconfig(settings=settings, logger=logger)
+        )
+        if info is None:
+            raise RuntimeError("no Kubernetes credentials (service account or kubeconfig)")
+        self._server = info.server.rstrip("/")
+        self._headers = {"Content-Type": "application/json"}
+        if info.token:
+            self._headers["Authorization"] = f"Bearer {info.token}"
+        self._ssl = ssl.create_default_context(cafile=info.ca_path) if info.ca_path else None
+        if info.insecure and self._ssl is not None:
+            self._ssl.check_hostname = False
+            self._ssl.verify_mode = ssl.CERT_NONE
+        self._collection = KVN.format(namespace=config.namespace)
+        self.name = f"{config.tier}-{node}"[:253]
+        self._body = {
+            "apiVersion": "kvtier.io/v1alpha1",
+            "kind": "KVCacheNode",
+            "metadata": {
+                "name": self.name,
+                "namespace": config.namespace,
+                "labels": {"kvtier.io/tier": str(config.tier)},
+            },
+            "spec": {"tier": config.tier, "node": node, "version": kvtier.__version__},
+        }
+        self._created = False
+
+    def _request(self, method: str, path: str, body: Any, content_type: str) -> int:
+        request = urllib.request.Request(
+            self._server + path,
+            data=json.dumps(body).encode(),
+            method=method,
+            headers={**self._headers, "Content-Type": content_type},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10, context=self._ssl) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as err:
+            return int(err.code)
+
+    def publish(self, status: dict[str, Any]) -> None:
+        if not self._created:
+            code = self._request("POST", self._collection, self._body, "application/json")
+            if code not in (200, 201, 409):
+                raise RuntimeError(f"creating KVCacheNode {self.name}: HTTP {code}")
+            self._created = True
+        code = self._request(
+            "PATCH",
+            f"{self._collection}/{self.name}/status",
+            {"status": status},
+            "application/merge-patch+json",
+        )
+        if code == 404:
+            self._created = False  # deleted under us: recreated next time
+        elif code >= 300:
+            raise RuntimeError(f"updating KVCacheNode {self.name}: HTTP {code}")
+
+
+def make_registry(config: ReportConfig) -> Registry | None:
+    node = config.node or os.environ.get("NODE_NAME") or socket.gethostname()
+    if config.target == "kubernetes":
+        return KubernetesRegistry(config, node)
+    if config.target == "file":
+        assert config.directory is not None
+        return FileRegistry(config.directory, node)
+    return None
+
+
+class Reporter:
+    """A thread publishing `collect()` through the registry at a bounded rate."""
+
+    def __init__(
+        self, config: ReportConfig, registry: Registry, collect: Callable[[], dict[str, Any]]
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.collect = collect
+        self.publishes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvtier-report", daemon=True)
+
+    def start(self) -> Reporter:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+    def _loop(self) -> None:
+        last_sent: dict[str, Any] | None = None
+        last_time = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            status = build_report(self.collect(), dt.datetime.now(dt.UTC))
+            comparable = {k: v for k, v in status.items() if k != "heartbeat"}
+            due = now - last_time >= self.config.interval_seconds
+            changed = last_sent is not None and comparable != last_sent
+            if last_sent is None or due or changed:
+                try:
+                    self.registry.publish(status)
+                    self.publishes += 1
+                    last_sent, last_time = comparable, now
+                except Exception as exc:  # the API server may be briefly unreachable
+                    log.warning("could not publish the agent report: %s", exc)
+            self._stop.wait(self.config.min_interval_seconds)
