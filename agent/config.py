@@ -156,12 +156,31 @@ class ObjectStoreTierConfig(_Model):
         return self
 
 
+class PeerTierConfig(_Model):
+    """Other nodes' agents: chunks they hold are fetched instead of recomputed."""
+
+    bind: str = Field(default="tcp://0.0.0.0:5557", description="Where this agent serves peers.")
+    advertise: str | None = Field(
+        default=None, description="Endpoint peers dial; default: bind with this host's name."
+    )
+    curve_key_dir: Path | None = Field(
+        default=None,
+        description="Directory with the cluster's CURVE key pair (public.key, secret.key, Z85); "
+        "peers without it are refused. Unset: no authentication.",
+    )
+    timeout_seconds: float = Field(default=1.0, gt=0)
+    announce_ttl_seconds: float = Field(
+        default=120.0, gt=0, description="How long a home remembers who holds a key."
+    )
+
+
 class TierConfig(_Model):
     """One secondary tier; exactly one backend key is set."""
 
     name: str = Field(pattern=_DNS_LABEL, max_length=63)
     filesystem: FilesystemTierConfig | None = None
     object_store: ObjectStoreTierConfig | None = None
+    peer: PeerTierConfig | None = None
     queue_depth: int = Field(
         default=256, ge=1, description="Write-backs waiting for this tier; more are dropped."
     )
@@ -172,17 +191,19 @@ class TierConfig(_Model):
 
     @model_validator(mode="after")
     def _one_backend(self) -> TierConfig:
-        backends = [b for b in (self.filesystem, self.object_store) if b is not None]
+        backends = [b for b in (self.filesystem, self.object_store, self.peer) if b is not None]
         if len(backends) != 1:
             raise ValueError(
                 f"tier {self.name!r} sets {len(backends)} backends; fix: give each tier "
-                "exactly one of filesystem or objectStore"
+                "exactly one of filesystem, objectStore or peer"
             )
         return self
 
     @property
     def kind(self) -> str:
-        return "filesystem" if self.filesystem is not None else "objectStore"
+        if self.filesystem is not None:
+            return "filesystem"
+        return "objectStore" if self.object_store is not None else "peer"
 
 
 class ReportConfig(_Model):

@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,22 +72,61 @@ def build_report(stats: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Member:
+    """Another agent of the same tier, as its report says."""
+
+    node: str
+    endpoint: str
+    heartbeat: dt.datetime | None
+
+
+def _parse_time(value: str | None) -> dt.datetime | None:
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
+
+
 class Registry(ABC):
+    node: str
+    endpoint: str | None = None  # this agent's peer endpoint, published with its report
+
     @abstractmethod
     def publish(self, status: dict[str, Any]) -> None: ...
 
+    @abstractmethod
+    def members(self) -> list[Member]:
+        """The agents of this tier that published a peer endpoint (this one included)."""
+
 
 class FileRegistry(Registry):
-    """One JSON file per node: single-machine setups and tests."""
+    """One JSON file per node in a shared directory: single-machine setups and tests."""
 
     def __init__(self, directory: Path, node: str) -> None:
+        self.directory = directory
+        self.node = node
         self.path = directory / f"{node}.json"
         directory.mkdir(parents=True, exist_ok=True)
 
     def publish(self, status: dict[str, Any]) -> None:
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(status))
+        tmp.write_text(json.dumps({"node": self.node, "endpoint": self.endpoint, "status": status}))
         os.replace(tmp, self.path)
+
+    def members(self) -> list[Member]:
+        found = []
+        for path in self.directory.glob("*.json"):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if record.get("endpoint"):
+                found.append(
+                    Member(
+                        record["node"],
+                        record["endpoint"],
+                        _parse_time(record["status"].get("heartbeat")),
+                    )
+                )
+        return found
 
 
 class KubernetesRegistry(Registry):
@@ -111,8 +151,10 @@ class KubernetesRegistry(Registry):
             self._ssl.check_hostname = False
             self._ssl.verify_mode = ssl.CERT_NONE
         self._collection = KVN.format(namespace=config.namespace)
+        self.node = node
+        self.tier = config.tier
         self.name = f"{config.tier}-{node}"[:253]
-        self._body = {
+        self._body: dict[str, Any] = {
             "apiVersion": "kvtier.io/v1alpha1",
             "kind": "KVCacheNode",
             "metadata": {
@@ -124,26 +166,45 @@ class KubernetesRegistry(Registry):
         }
         self._created = False
 
-    def _request(self, method: str, path: str, body: Any, content_type: str) -> int:
+    def _request(
+        self, method: str, path: str, body: Any, content_type: str = "application/json"
+    ) -> tuple[int, Any]:
         request = urllib.request.Request(
             self._server + path,
-            data=json.dumps(body).encode(),
+            data=None if body is None else json.dumps(body).encode(),
             method=method,
             headers={**self._headers, "Content-Type": content_type},
         )
         try:
             with urllib.request.urlopen(request, timeout=10, context=self._ssl) as resp:
-                return int(resp.status)
+                return int(resp.status), json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as err:
-            return int(err.code)
+            return int(err.code), None
+
+    def members(self) -> list[Member]:
+        code, listing = self._request("GET", self._collection, None)
+        if code != 200 or not listing:
+            return []
+        return [
+            Member(
+                item["spec"]["node"],
+                item["spec"]["endpoints"]["control"],
+                _parse_time((item.get("status") or {}).get("heartbeat")),
+            )
+            for item in listing.get("items", [])
+            if item["spec"].get("tier") == self.tier
+            and (item["spec"].get("endpoints") or {}).get("control")
+        ]
 
     def publish(self, status: dict[str, Any]) -> None:
         if not self._created:
-            code = self._request("POST", self._collection, self._body, "application/json")
+            if self.endpoint:
+                self._body["spec"]["endpoints"] = {"control": self.endpoint}
+            code, _ = self._request("POST", self._collection, self._body)
             if code not in (200, 201, 409):
                 raise RuntimeError(f"creating KVCacheNode {self.name}: HTTP {code}")
             self._created = True
-        code = self._request(
+        code, _ = self._request(
             "PATCH",
             f"{self._collection}/{self.name}/status",
             {"status": status},

@@ -50,7 +50,7 @@ def run_reporter(tmp_path: Path, collect: Any, seconds: float) -> tuple[int, dic
     reporter = Reporter(config, registry, collect).start()
     time.sleep(seconds)
     reporter.stop()
-    return reporter.publishes, json.loads(registry.path.read_text())
+    return reporter.publishes, json.loads(registry.path.read_text())["status"]
 
 
 def test_steady_state_publishes_only_heartbeats(tmp_path: Path) -> None:
