@@ -271,6 +271,18 @@ class AgentConfig(_Model):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @model_validator(mode="after")
+    def _peers_need_a_registry(self) -> AgentConfig:
+        peers = [i for i, t in enumerate(self.tiers) if t.peer is not None]
+        if len(peers) > 1:
+            raise ValueError("tiers: at most one peer tier; fix: keep one peer entry")
+        if peers and self.report.target == "none":
+            raise ValueError(
+                f"tiers[{peers[0]}].peer: agents find their peers through their reports; "
+                "fix: set report.target to kubernetes or file"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _unique_tiers(self) -> AgentConfig:
         names = [t.name for t in self.tiers]
         for name in sorted({n for n in names if names.count(n) > 1 or n == "host"}):

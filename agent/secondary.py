@@ -63,13 +63,20 @@ class SecondaryTiers:
         metrics: AgentMetrics,
         budget_seconds: float,
         maintain_seconds: float = 1.0,
+        prebuilt: dict[str, SecondaryTier] | None = None,
     ) -> None:
+        """`prebuilt` holds tiers built by the agent itself (the peer tier, which needs the
+        agent's registry and peer server), by name."""
         self.host = host
         self.metrics = metrics
         self.budget = budget_seconds
         self._pins = 0  # pool slots pinned by queued or running write-backs (host lock)
         self._max_pins = max(1, host.geometry.slot_count // 2)
-        self.tiers = [_Tier(c, build_tier(c), queue.Queue(maxsize=c.queue_depth)) for c in configs]
+        prebuilt = prebuilt or {}
+        self.tiers = [
+            _Tier(c, prebuilt.get(c.name) or build_tier(c), queue.Queue(maxsize=c.queue_depth))
+            for c in configs
+        ]
         self._io = ThreadPoolExecutor(32, thread_name_prefix="kvtier-tier-io")
         self._stop = threading.Event()
         self._threads = [

@@ -9,6 +9,7 @@ clients. Lease reaping runs between requests, on the loop's poll timeout.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
@@ -29,6 +30,8 @@ from kvtier.agent.liveness import ClientRegistry
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.report import Reporter, make_registry
 from kvtier.agent.secondary import MISS, SecondaryTiers
+from kvtier.agent.tiers import SecondaryTier
+from kvtier.agent.tiers.peer import Directory, PeerServer, PeerTier, serve_from_pool
 
 log = logging.getLogger("kvtier.agent")
 
@@ -43,6 +46,21 @@ class Agent:
         self.host = HostTier(
             config.host, config.pool_path, self.metrics, config.lease_timeout_seconds
         )
+        self.registry = make_registry(config.report)
+        self.peer_server: PeerServer | None = None
+        prebuilt: dict[str, SecondaryTier] = {}
+        for tier in config.tiers:
+            if tier.peer is not None:
+                assert self.registry is not None  # the config model requires a report target
+                self.peer_server = PeerServer(
+                    tier.peer,
+                    Directory(tier.peer.announce_ttl_seconds),
+                    functools.partial(serve_from_pool, self.host),
+                )
+                self.registry.endpoint = self.peer_server.endpoint
+                prebuilt[tier.name] = PeerTier(
+                    tier.name, tier.peer, self.registry, self.peer_server
+                )
         self.tiers = (
             SecondaryTiers(
                 config.tiers,
@@ -50,6 +68,7 @@ class Agent:
                 self.metrics,
                 config.tier_budget_seconds,
                 config.reap_interval_seconds,
+                prebuilt,
             )
             if config.tiers
             else None
@@ -67,9 +86,10 @@ class Agent:
         self._replies.bind(self._replies_addr)
         self._local = threading.local()
         self._workers = ThreadPoolExecutor(8, thread_name_prefix="kvtier-request")
-        registry = make_registry(config.report)
         self.reporter = (
-            Reporter(config.report, registry, self.stats) if registry is not None else None
+            Reporter(config.report, self.registry, self.stats)
+            if self.registry is not None
+            else None
         )
 
     def stats(self) -> dict[str, Any]:
@@ -124,6 +144,8 @@ class Agent:
         self.config.socket_path.unlink(missing_ok=True)
         if self.tiers is not None:
             self.tiers.close()
+        if self.peer_server is not None:
+            self.peer_server.close()
         self.host.close()
         log.info("agent stopped")
 

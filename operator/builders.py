@@ -16,6 +16,7 @@ Manifest = dict[str, Any]
 CONFIG_DIR = "/etc/kvtier"
 TIER_MOUNT = "/var/lib/kvtier/tiers"
 S3_MOUNT = "/etc/kvtier/s3"
+CURVE_MOUNT = "/etc/kvtier/curve"
 MEMORY_OVERHEAD = 512 << 20  # agent process, page tables, write-back buffers
 
 
@@ -67,6 +68,21 @@ def build_agent_config(tier: Manifest, settings: OperatorSettings) -> AgentConfi
                         "highWatermark": fs.get("highWatermark", 0.9),
                         "lowWatermark": fs.get("lowWatermark", 0.8),
                         "fsync": fs.get("fsync", True),
+                    },
+                }
+            )
+        elif "peer" in entry:
+            peer = entry["peer"]
+            tiers.append(
+                {
+                    **common,
+                    "peer": {
+                        "bind": f"tcp://0.0.0.0:{peer.get('port', 5557)}",
+                        **(
+                            {"curveKeyDir": f"{CURVE_MOUNT}/{entry['name']}"}
+                            if "curveKeySecret" in peer
+                            else {}
+                        ),
                     },
                 }
             )
@@ -126,6 +142,24 @@ def _tier_volumes(spec: Manifest) -> tuple[list[Manifest], list[Manifest]]:
                 source = {"hostPath": {"path": fs["hostPath"]["path"], "type": "DirectoryOrCreate"}}
             volumes.append({"name": f"tier-{name}", **source})
             mounts.append({"name": f"tier-{name}", "mountPath": f"{TIER_MOUNT}/{name}"})
+        elif "peer" in entry and "curveKeySecret" in entry["peer"]:
+            secret = entry["peer"]["curveKeySecret"]["name"]
+            volumes.append(
+                {
+                    "name": f"curve-{name}",
+                    "secret": {
+                        "secretName": secret,
+                        "defaultMode": 0o400,
+                        "items": [
+                            {"key": "public.key", "path": "public.key"},
+                            {"key": "secret.key", "path": "secret.key"},
+                        ],
+                    },
+                }
+            )
+            mounts.append(
+                {"name": f"curve-{name}", "mountPath": f"{CURVE_MOUNT}/{name}", "readOnly": True}
+            )
         elif "objectStore" in entry and "credentialsSecret" in entry["objectStore"]:
             secret = entry["objectStore"]["credentialsSecret"]["name"]
             volumes.append(
@@ -193,9 +227,21 @@ def build_daemonset(tier: Manifest, config: AgentConfig, settings: OperatorSetti
                 "name": "agent",
                 "image": agent.get("image", settings.image),
                 "args": ["agent", "--config", f"{CONFIG_DIR}/agent.yaml"],
-                "ports": [{"name": "metrics", "containerPort": port}],
+                "ports": [
+                    {"name": "metrics", "containerPort": port},
+                    *[
+                        {"name": "peer", "containerPort": t["peer"].get("port", 5557)}
+                        for t in spec.get("tiers", [])
+                        if "peer" in t
+                    ],
+                ],
                 "env": [
-                    {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+                    {
+                        "name": "NODE_NAME",
+                        "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+                    },
+                    # Peers dial this agent at its pod address.
+                    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 ],
                 "resources": agent_resources(spec),
                 "readinessProbe": {

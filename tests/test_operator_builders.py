@@ -311,3 +311,22 @@ def test_children_match_the_golden_manifests() -> None:
     if os.environ.get("KVTIER_UPDATE_GOLDEN"):
         GOLDEN.write_text(rendered)
     assert rendered == GOLDEN.read_text()
+
+
+def test_peer_tier_gets_its_port_keys_and_address() -> None:
+    resource = tier()
+    resource["spec"]["tiers"] = [
+        {"name": "peers", "peer": {"port": 6000, "curveKeySecret": {"name": "kv-curve"}}}
+    ]
+    children = build_children(resource, SETTINGS)
+    config = parse_config(yaml.safe_load(by_kind(children)["ConfigMap"]["data"]["agent.yaml"]))
+    (peer,) = config.tiers
+    assert peer.peer is not None and peer.peer.bind == "tcp://0.0.0.0:6000"
+    assert str(peer.peer.curve_key_dir) == "/etc/kvtier/curve/peers"
+    assert config.report.target == "kubernetes"
+    pod = by_kind(children)["DaemonSet"]["spec"]["template"]["spec"]
+    assert {"name": "peer", "containerPort": 6000} in pod["containers"][0]["ports"]
+    assert {e["name"] for e in pod["containers"][0]["env"]} >= {"NODE_NAME", "POD_IP"}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["curve-peers"]["secret"]["secretName"] == "kv-curve"
+    kubernetes_validate.validate(by_kind(children)["DaemonSet"], "1.33", strict=True)

@@ -12,7 +12,8 @@ def build_tier(config: TierConfig) -> SecondaryTier:
         from kvtier.agent.tiers.filesystem import FilesystemTier
 
         return FilesystemTier(config.name, config.filesystem)
-    assert config.object_store is not None
+    if config.object_store is None:
+        raise ValueError(f"tier {config.name}: a peer tier is built by the agent")
     from kvtier.agent.tiers.objectstore import ObjectStoreTier
 
     return ObjectStoreTier(config.name, config.object_store)
