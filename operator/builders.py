@@ -127,6 +127,23 @@ def build_configmap(tier: Manifest, config: AgentConfig) -> Manifest:
     }
 
 
+def _secret_files(
+    volume: str, secret: str, keys: list[str], path: str
+) -> tuple[Manifest, Manifest]:
+    """A Secret's keys as read-only files: credentials are never in env or config."""
+    return (
+        {
+            "name": volume,
+            "secret": {
+                "secretName": secret,
+                "defaultMode": 0o400,
+                "items": [{"key": k, "path": k} for k in keys],
+            },
+        },
+        {"name": volume, "mountPath": path, "readOnly": True},
+    )
+
+
 def _tier_volumes(spec: Manifest) -> tuple[list[Manifest], list[Manifest]]:
     volumes: list[Manifest] = []
     mounts: list[Manifest] = []
@@ -143,41 +160,23 @@ def _tier_volumes(spec: Manifest) -> tuple[list[Manifest], list[Manifest]]:
             volumes.append({"name": f"tier-{name}", **source})
             mounts.append({"name": f"tier-{name}", "mountPath": f"{TIER_MOUNT}/{name}"})
         elif "peer" in entry and "curveKeySecret" in entry["peer"]:
-            secret = entry["peer"]["curveKeySecret"]["name"]
-            volumes.append(
-                {
-                    "name": f"curve-{name}",
-                    "secret": {
-                        "secretName": secret,
-                        "defaultMode": 0o400,
-                        "items": [
-                            {"key": "public.key", "path": "public.key"},
-                            {"key": "secret.key", "path": "secret.key"},
-                        ],
-                    },
-                }
+            volume, mount = _secret_files(
+                f"curve-{name}",
+                entry["peer"]["curveKeySecret"]["name"],
+                ["public.key", "secret.key"],
+                f"{CURVE_MOUNT}/{name}",
             )
-            mounts.append(
-                {"name": f"curve-{name}", "mountPath": f"{CURVE_MOUNT}/{name}", "readOnly": True}
-            )
+            volumes.append(volume)
+            mounts.append(mount)
         elif "objectStore" in entry and "credentialsSecret" in entry["objectStore"]:
-            secret = entry["objectStore"]["credentialsSecret"]["name"]
-            volumes.append(
-                {
-                    "name": f"s3-{name}",
-                    "secret": {
-                        "secretName": secret,
-                        "defaultMode": 0o400,
-                        "items": [
-                            {"key": "accessKeyId", "path": "accessKeyId"},
-                            {"key": "secretAccessKey", "path": "secretAccessKey"},
-                        ],
-                    },
-                }
+            volume, mount = _secret_files(
+                f"s3-{name}",
+                entry["objectStore"]["credentialsSecret"]["name"],
+                ["accessKeyId", "secretAccessKey"],
+                f"{S3_MOUNT}/{name}",
             )
-            mounts.append(
-                {"name": f"s3-{name}", "mountPath": f"{S3_MOUNT}/{name}", "readOnly": True}
-            )
+            volumes.append(volume)
+            mounts.append(mount)
     return volumes, mounts
 
 

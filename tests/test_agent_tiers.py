@@ -41,12 +41,14 @@ def tier_stats(client: AgentClient, name: str) -> dict[str, Any]:
     return next(t for t in client.stats()["tiers"] if t["name"] == name)
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+def wait_for(predicate: Callable[[], Any], timeout: float = 20.0) -> Any:
+    """Poll until `predicate` returns something truthy, and return it."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not (result := predicate()):
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         time.sleep(0.05)
+    return result
 
 
 def store(client: AgentClient, ids: range | list[int]) -> None:

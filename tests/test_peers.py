@@ -8,14 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.tiers.peer import home_of, write_keys
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
+from tests.test_agent_tiers import load_exact, wait_for
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 
@@ -48,23 +47,6 @@ def node_config(
     )
 
 
-def wait_for(check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (result := check()):
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.05)
-    return result
-
-
-def load(client: AgentClient, ids: list[int]) -> list[bool]:
-    outs = [np.zeros(ROW, np.uint8) for _ in ids]
-    loaded = client.load_into(NS, [key(i) for i in ids], outs)
-    return [
-        ok and np.array_equal(o, row(i, ROW)) for i, ok, o in zip(ids, loaded, outs, strict=True)
-    ]
-
-
 def test_chunks_stored_on_one_node_are_loaded_on_another(
     make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
 ) -> None:
@@ -92,13 +74,13 @@ def test_chunks_stored_on_one_node_are_loaded_on_another(
             lambda: (r := consumer.lookup(NS, [key(i) for i in range(9)])).prefix == 8 and r
         )
         assert found.where == [1] * 8 + [-1]
-        assert load(consumer, list(range(8))) == [True] * 8
+        assert load_exact(consumer, list(range(8))) == [True] * 8
         assert consumer.lookup(NS, [key(0)]).where == [0]  # now in node-b's own pool
 
     # A peer without the cluster's key is refused: its requests are never answered.
     with AgentClient(stranger_config.endpoint) as stranger:
         started = time.monotonic()
-        assert load(stranger, [1, 2]) == [False, False]
+        assert load_exact(stranger, [1, 2]) == [False, False]
         assert time.monotonic() - started < 5
 
     with AgentClient(a.config.endpoint) as producer:
@@ -107,8 +89,8 @@ def test_chunks_stored_on_one_node_are_loaded_on_another(
     a.kill()  # the only holder dies: its chunks become misses, in time, nothing hangs
     with AgentClient(b_config.endpoint) as consumer:
         started = time.monotonic()
-        assert load(consumer, [20, 21, 22, 23]) == [False] * 4
-        assert load(consumer, [3]) == [True]  # promoted earlier: in node-b's own pool
+        assert load_exact(consumer, [20, 21, 22, 23]) == [False] * 4
+        assert load_exact(consumer, [3]) == [True]  # promoted earlier: in node-b's own pool
         assert time.monotonic() - started < 10
 
 
