@@ -172,6 +172,9 @@ class PeerTierConfig(_Model):
     announce_ttl_seconds: float = Field(
         default=120.0, gt=0, description="How long a home remembers who holds a key."
     )
+    membership_seconds: float = Field(
+        default=10.0, gt=0, description="How often the list of live agents is re-read."
+    )
 
 
 class TierConfig(_Model):

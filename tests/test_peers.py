@@ -26,7 +26,11 @@ def node_config(
     keys: Path | None,
     registry: str = "registry",
 ) -> AgentConfig:
-    peer: dict[str, Any] = {"bind": "tcp://127.0.0.1:*", "timeoutSeconds": 0.5}
+    peer: dict[str, Any] = {
+        "bind": "tcp://127.0.0.1:*",
+        "timeoutSeconds": 0.5,
+        "membershipSeconds": 1.0,
+    }
     if keys is not None:
         peer["curveKeyDir"] = str(keys)
     return make_config(

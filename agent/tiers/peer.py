@@ -21,6 +21,7 @@ import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from kvtier.agent.tiers.base import SecondaryTier, TierUsage, check_blob, check_
 
 log = logging.getLogger("kvtier.agent.peers")
 _RID = struct.Struct("<Q")
+HOLDER_CACHE = 65536
 
 
 class Announce(msgspec.Struct, tag="announce"):
@@ -248,7 +250,8 @@ class PeerTier(SecondaryTier):
         self._keys = load_keys(config.curve_key_dir) if config.curve_key_dir else None
         self._connections: dict[str, _Connection] = {}
         self._lock = threading.Lock()
-        self._holder: dict[tuple[str, bytes], str] = {}
+        # Where recently found keys live, bounded: only the next read needs it.
+        self._holder: OrderedDict[tuple[str, bytes], str] = OrderedDict()
         self._members: list[str] = [self.me]
         self._members_at = 0.0
 
@@ -262,9 +265,10 @@ class PeerTier(SecondaryTier):
             return conn
 
     def live_members(self) -> list[str]:
-        """Agents with a fresh heartbeat (re-read at most every second)."""
+        """Agents with a fresh heartbeat (re-read every `membershipSeconds`: with the
+        Kubernetes registry that is one LIST per agent per period)."""
         now = time.monotonic()
-        if now - self._members_at > 1.0:
+        if now - self._members_at > self.config.membership_seconds:
             cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=3 * 10)
             found: list[Member] = self.registry.members()
             live = {m.endpoint for m in found if m.heartbeat is None or m.heartbeat > cutoff}
@@ -299,6 +303,8 @@ class PeerTier(SecondaryTier):
                 if holder and holder != self.me:
                     self._holder[(namespace, keys[i])] = holder
                     found[i] = True
+        while len(self._holder) > HOLDER_CACHE:
+            self._holder.popitem(last=False)
         return found
 
     def read_into(self, namespace: str, key: bytes, out: memoryview) -> ChunkHeader | None:
