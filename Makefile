@@ -62,6 +62,7 @@ lint: $(STAMP)
 bench: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/kvtier bench host
 	$(VENV)/bin/kvtier bench tiers
+	$(VENV)/bin/kvtier bench peers
 	$(VENV)/bin/kvtier bench vllm
 
 clean:

@@ -134,12 +134,34 @@ def run_vllm(quick: bool) -> dict[str, Any]:
     }
 
 
+def render_peers(result: dict[str, Any], console: Console) -> None:
+    table = Table(title="peer tier vs raw loopback TCP, GB/s (same run)")
+    for col in ("path", "GB/s", "ratio vs TCP"):
+        table.add_column(col, justify="right")
+    table.add_row("raw TCP stream", f"{result['tcp_gbps']:.2f}", "1.00")
+    table.add_row(
+        "kvtier peers (ZMQ)", f"{result['zmq_gbps']:.2f}", f"{result['zmq_ratio_vs_tcp']:.2f}"
+    )
+    table.add_row("kvtier peers (NIXL)", "n/a", "not built")
+    console.print(table)
+    console.print(
+        f"{result['chunks']} chunks of {format_bytes(result['row_bytes'])} loaded on another "
+        f"node; lookup of 1k keys asking their homes: p50 {result['lookup_p50_us_remote_1k']:.0f}"
+        f" µs, p99 {result['lookup_p99_us_remote_1k']:.0f} µs"
+    )
+
+
 def run_benchmark(target: str, quick: bool, as_json: bool, out: Path | None) -> int:
     if target == "host":
         from kvtier.bench import host
 
         result = host.run(quick)
         render = render_host
+    elif target == "peers":
+        from kvtier.bench import peers
+
+        result = peers.run(quick)
+        render = render_peers
     elif target == "tiers":
         from kvtier.bench import tiers
 

@@ -186,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "target",
-        choices=["host", "tiers", "vllm"],
+        choices=["host", "tiers", "peers", "vllm"],
         help="host: the client<->agent pool path; tiers: filesystem and S3 tiers; "
+        "peers: another node's agent vs raw TCP; "
         "vllm: kvtier vs vLLM's native fs tier inside vLLM's tiering manager",
     )
     bench.add_argument("--quick", action="store_true", help="short run (under a minute)")

@@ -39,6 +39,7 @@ from kvtier.agent.tiers.base import SecondaryTier, TierUsage, check_blob, check_
 log = logging.getLogger("kvtier.agent.peers")
 _RID = struct.Struct("<Q")
 HOLDER_CACHE = 65536
+CONNECTIONS_PER_PEER = 4
 
 
 class Announce(msgspec.Struct, tag="announce"):
@@ -248,7 +249,8 @@ class PeerTier(SecondaryTier):
         self.server = server
         self.me = server.endpoint
         self._keys = load_keys(config.curve_key_dir) if config.curve_key_dir else None
-        self._connections: dict[str, _Connection] = {}
+        self._connections: dict[str, list[_Connection]] = {}
+        self._turn = 0
         self._lock = threading.Lock()
         # Where recently found keys live, bounded: only the next read needs it.
         self._holder: OrderedDict[tuple[str, bytes], str] = OrderedDict()
@@ -256,13 +258,17 @@ class PeerTier(SecondaryTier):
         self._members_at = 0.0
 
     def _peer(self, endpoint: str) -> _Connection:
+        """One of a few connections to the peer, in turn: promotions of one request run in
+        parallel instead of queueing behind one socket."""
         with self._lock:
-            conn = self._connections.get(endpoint)
-            if conn is None:
-                conn = self._connections[endpoint] = _Connection(
-                    endpoint, self._keys, self.config.timeout_seconds
-                )
-            return conn
+            pool = self._connections.get(endpoint)
+            if pool is None:
+                pool = self._connections[endpoint] = [
+                    _Connection(endpoint, self._keys, self.config.timeout_seconds)
+                    for _ in range(CONNECTIONS_PER_PEER)
+                ]
+            self._turn += 1
+            return pool[self._turn % len(pool)]
 
     def live_members(self) -> list[str]:
         """Agents with a fresh heartbeat (re-read every `membershipSeconds`: with the

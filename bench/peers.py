@@ -1,0 +1,136 @@
+"""`kvtier bench peers`: chunks fetched from another node's agent over the peer tier's ZMQ
+data path, next to a raw loopback TCP stream of the same bytes, same run; and the round
+trip of a batched lookup that must ask the keys' home agents."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.agent.client import AgentClient
+from kvtier.agent.config import AgentConfig, scratch_config
+from kvtier.agent.pool import PAGE
+from kvtier.agent.process import AgentProcess
+
+MiB = 1 << 20
+NS = "bench-peers"
+
+
+def raw_tcp_gbps(nbytes: int, chunk: int) -> float:
+    """One loopback TCP stream moving `nbytes`, received into a preallocated buffer."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    payload = memoryview(np.ones(chunk, np.uint8).data)
+    done = threading.Event()
+
+    def send() -> None:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            sent = 0
+            while sent < nbytes:
+                conn.sendall(payload)
+                sent += chunk
+        done.set()
+
+    sink = memoryview(bytearray(chunk))
+    thread = threading.Thread(target=send)
+    started = time.perf_counter()
+    thread.start()
+    conn, _ = server.accept()
+    received = 0
+    with conn:
+        while received < nbytes:
+            n = conn.recv_into(sink[received % chunk :] if received % chunk else sink)
+            if n == 0:
+                break
+            received += n
+    elapsed = time.perf_counter() - started
+    thread.join()
+    server.close()
+    return received / elapsed / 1e9
+
+
+def node(scratch: Path, name: str, row: int, slots: int) -> AgentConfig:
+    return scratch_config(
+        scratch / name,
+        name,
+        PAGE + slots * (row + PAGE),
+        row,
+        tiers=[
+            {
+                "name": "peers",
+                "peer": {
+                    "bind": "tcp://127.0.0.1:*",
+                    "timeoutSeconds": 5,
+                    "membershipSeconds": 0.5,
+                },
+            }
+        ],
+        report={
+            "target": "file",
+            "directory": str(scratch / "registry"),
+            "node": name,
+            "intervalSeconds": 0.5,
+            "minIntervalSeconds": 0.2,
+        },
+        tierBudgetSeconds=30,
+    )
+
+
+def run(quick: bool) -> dict[str, Any]:
+    row, chunks, rounds = MiB, (32 if quick else 128), (2 if quick else 3)
+    scratch = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir="/dev/shm"))
+    kv, raw, lookups = [], [], []
+    try:
+        a, b = (
+            node(scratch, "node-a", row, chunks * rounds + 8),
+            node(scratch, "node-b", row, chunks + 8),
+        )
+        with (
+            AgentProcess(a),
+            AgentProcess(b),
+            AgentClient(a.endpoint) as producer,
+            AgentClient(b.endpoint) as consumer,
+        ):
+            time.sleep(1.5)  # both reports written and read
+            data = [np.full(row, i % 251, np.uint8) for i in range(chunks)]
+            outs = [np.empty(row, np.uint8) for _ in range(chunks)]
+            for r in range(rounds):
+                keys = [b"r%d-%08d" % (r, i) for i in range(chunks)]
+                producer.store(NS, keys, data)
+                while producer.stats()["tiers"][0].get("writebacks", 0) < chunks * (r + 1):
+                    time.sleep(0.05)
+                raw.append(raw_tcp_gbps(chunks * row, row))
+                started = time.perf_counter()
+                loaded = consumer.load_into(NS, keys, outs)
+                kv.append(sum(loaded) * row / (time.perf_counter() - started) / 1e9)
+                if not all(loaded) or not np.array_equal(outs[-1], data[-1]):
+                    raise RuntimeError("a chunk did not come back intact from the peer")
+            probe = [b"absent-%08d" % i for i in range(1024)]
+            for _ in range(40 if quick else 200):
+                started = time.perf_counter()
+                consumer.lookup(NS, probe)
+                lookups.append((time.perf_counter() - started) * 1e6)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    lookups.sort()
+    zmq_gbps, tcp_gbps = statistics.median(kv), statistics.median(raw)
+    return {
+        "benchmark": "peers",
+        "quick": quick,
+        "row_bytes": row,
+        "chunks": chunks,
+        "zmq_gbps": zmq_gbps,
+        "tcp_gbps": tcp_gbps,
+        "zmq_ratio_vs_tcp": zmq_gbps / tcp_gbps,
+        "nixl_ratio_vs_tcp": None,  # the NIXL data path is not built yet
+        "lookup_p50_us_remote_1k": lookups[len(lookups) // 2],
+        "lookup_p99_us_remote_1k": lookups[min(len(lookups) - 1, int(len(lookups) * 0.99))],
+    }
