@@ -135,8 +135,9 @@ class AgentClient:
 
     # --- control calls -------------------------------------------------------------------
 
-    def lookup(self, namespace: str, keys: Sequence[bytes]) -> LookupResult:
-        reply = self._call(p.Lookup(namespace, list(keys)), p.LookupReply)
+    def lookup(self, namespace: str, keys: Sequence[bytes], source: str = "") -> LookupResult:
+        """`source`: the peer endpoint of an agent known to hold the chunks (direct mode)."""
+        reply = self._call(p.Lookup(namespace, list(keys), source), p.LookupReply)
         return LookupResult(reply.hits, reply.prefix, reply.where)
 
     def allocate(self, namespace: str, keys: Sequence[bytes], nbytes: int) -> Grant:
@@ -151,8 +152,8 @@ class AgentClient:
     def abort(self, lease: int) -> None:
         self._send(p.Abort(lease))
 
-    def begin_load(self, namespace: str, keys: Sequence[bytes]) -> Grant:
-        reply = self._call(p.BeginLoad(self.client_id, namespace, list(keys)), p.LeaseReply)
+    def begin_load(self, namespace: str, keys: Sequence[bytes], source: str = "") -> Grant:
+        reply = self._call(p.BeginLoad(self.client_id, namespace, list(keys), source), p.LeaseReply)
         return Grant(reply.lease, reply.slots, reply.where)
 
     def end_load(self, lease: int) -> None:
@@ -199,12 +200,14 @@ class AgentClient:
         stored = sum(1 for s in grant.slots if s >= 0)
         return StoreResult(stored, len(keys) - stored)
 
-    def load_into(self, namespace: str, keys: Sequence[bytes], outs: Sequence[Any]) -> list[bool]:
+    def load_into(
+        self, namespace: str, keys: Sequence[bytes], outs: Sequence[Any], source: str = ""
+    ) -> list[bool]:
         """Copy the held chunks among keys into `outs`; returns which keys were copied."""
         views = [_as_bytes(o) for o in outs]
         if len(views) != len(keys):
             raise ValueError("load needs one output buffer per key")
-        grant = self.begin_load(namespace, keys)
+        grant = self.begin_load(namespace, keys, source)
         if grant.lease == 0:
             return [False] * len(keys)
         try:

@@ -29,8 +29,12 @@ class Hello(msgspec.Struct, tag="hello"):
 
 
 class Lookup(msgspec.Struct, tag="lookup"):
+    """`source`, when set, is the peer endpoint of the agent known to hold the chunks (the
+    prefill side in prefill/decode disaggregation): it is asked directly."""
+
     namespace: str
     keys: list[bytes]
+    source: str = ""
 
 
 class Allocate(msgspec.Struct, tag="allocate"):
@@ -52,6 +56,7 @@ class BeginLoad(msgspec.Struct, tag="begin_load"):
     client: str
     namespace: str
     keys: list[bytes]
+    source: str = ""  # as in Lookup
 
 
 class EndLoad(msgspec.Struct, tag="end_load"):

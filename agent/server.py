@@ -48,6 +48,7 @@ class Agent:
         )
         self.registry = make_registry(config.report)
         self.peer_server: PeerServer | None = None
+        self.peer_tier: PeerTier | None = None
         prebuilt: dict[str, SecondaryTier] = {}
         for tier in config.tiers:
             if tier.peer is not None:
@@ -56,11 +57,11 @@ class Agent:
                     tier.peer,
                     Directory(tier.peer.announce_ttl_seconds),
                     functools.partial(serve_from_pool, self.host),
+                    self.host.missing,
                 )
                 self.registry.endpoint = self.peer_server.endpoint
-                prebuilt[tier.name] = PeerTier(
-                    tier.name, tier.peer, self.registry, self.peer_server
-                )
+                self.peer_tier = PeerTier(tier.name, tier.peer, self.registry, self.peer_server)
+                prebuilt[tier.name] = self.peer_tier
         self.tiers = (
             SecondaryTiers(
                 config.tiers,
@@ -189,10 +190,10 @@ class Agent:
     def _dispatch(self, request: p.Request) -> p.Reply | Deferred:
         host = self.host
         match request:
-            case p.Lookup(namespace, keys):
+            case p.Lookup(namespace, keys, source):
                 hits, prefix = host.lookup(namespace, keys)
                 if self.tiers is not None and prefix < len(keys):
-                    return lambda: self._lookup_tiers(namespace, keys, hits)
+                    return lambda: self._lookup_tiers(namespace, keys, hits, source)
                 return p.LookupReply(hits, prefix, [0 if h else MISS for h in hits])
             case p.Allocate(client, namespace, keys, nbytes):
                 return p.LeaseReply(*host.allocate(client, namespace, keys, nbytes))
@@ -200,9 +201,9 @@ class Agent:
                 host.commit(lease)
             case p.Abort(lease):
                 host.abort(lease)
-            case p.BeginLoad(client, namespace, keys):
+            case p.BeginLoad(client, namespace, keys, source):
                 if self.tiers is not None and host.missing(namespace, keys):
-                    return lambda: self._load_with_promotion(client, namespace, keys)
+                    return lambda: self._load_with_promotion(client, namespace, keys, source)
                 lease, slots = host.begin_load(client, namespace, keys)
                 return p.LeaseReply(lease, slots, [0 if s >= 0 else MISS for s in slots])
             case p.EndLoad(lease):
@@ -217,9 +218,17 @@ class Agent:
                 return p.StatsReply(self.stats())
         return p.Ack()
 
-    def _lookup_tiers(self, namespace: str, keys: list[bytes], hits: list[bool]) -> p.Reply:
+    def _ask_source(self, source: str, namespace: str, keys: list[bytes]) -> None:
+        """Direct mode: learn from the named agent which of the keys it holds."""
+        if source and self.peer_tier is not None and keys:
+            self.peer_tier.ask_source(source, namespace, keys)
+
+    def _lookup_tiers(
+        self, namespace: str, keys: list[bytes], hits: list[bool], source: str = ""
+    ) -> p.Reply:
         assert self.tiers is not None
         missing = [i for i, hit in enumerate(hits) if not hit]
+        self._ask_source(source, namespace, [keys[i] for i in missing])
         found = self.tiers.locate(namespace, [keys[i] for i in missing])
         where = [0 if hit else MISS for hit in hits]
         for i, position in zip(missing, found, strict=True):
@@ -228,9 +237,13 @@ class Agent:
         prefix = all_hits.index(False) if False in all_hits else len(keys)
         return p.LookupReply(all_hits, prefix, where)
 
-    def _load_with_promotion(self, client: str, namespace: str, keys: list[bytes]) -> p.Reply:
+    def _load_with_promotion(
+        self, client: str, namespace: str, keys: list[bytes], source: str = ""
+    ) -> p.Reply:
         assert self.tiers is not None
-        promoted = self.tiers.promote(namespace, self.host.missing(namespace, keys))
+        missing = self.host.missing(namespace, keys)
+        self._ask_source(source, namespace, missing)
+        promoted = self.tiers.promote(namespace, missing)
         lease, slots = self.host.begin_load(client, namespace, keys)
         where = [
             MISS if slot < 0 else promoted.get(key, 0)

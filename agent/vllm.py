@@ -111,6 +111,16 @@ def namespace_of(fingerprint: dict[str, Any]) -> str:
     return f"{model[-40:]}-{digest[:20]}"
 
 
+SOURCE_PARAM = "kvtier_source"
+
+
+def source_of(req_context: Any) -> str:
+    """Direct mode: the request's kv_transfer_params may name the peer endpoint of the agent
+    that holds its chunks (the prefill side in P/D), which is then asked directly."""
+    params = getattr(req_context, "kv_transfer_params", None) or {}
+    return str(params.get(SOURCE_PARAM) or "")
+
+
 class _AgentLookup(AsyncLookupManager):
     """vLLM's async-lookup helper: one batch per scheduler step, on its own thread."""
 
@@ -119,7 +129,7 @@ class _AgentLookup(AsyncLookupManager):
         self._tier = tier
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return self._tier.agent_lookup(keys)
+        return self._tier.agent_lookup(keys, source_of(req_context))
 
 
 class KVTierSecondaryTier(SecondaryTierManager):
@@ -223,9 +233,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
             self._available = available
         self._record("gauge", Metrics.AGENT_AVAILABLE, 1.0 if available else 0.0)
 
-    def agent_lookup(self, keys: list[OffloadKey]) -> list[bool]:
+    def agent_lookup(self, keys: list[OffloadKey], source: str = "") -> list[bool]:
         try:
-            hits = self._connected().lookup(self.namespace, [bytes(k) for k in keys]).hits
+            client = self._connected()
+            hits = client.lookup(self.namespace, [bytes(k) for k in keys], source).hits
         except AgentUnavailable as exc:
             self._client.hello = None
             self._set_available(False, str(exc))
@@ -373,7 +384,9 @@ class KVTierSecondaryTier(SecondaryTierManager):
         keys = list(job.keys)
         try:
             client = self._connected()
-            grant = client.begin_load(self.namespace, [bytes(k) for k in keys])
+            grant = client.begin_load(
+                self.namespace, [bytes(k) for k in keys], source_of(job.req_context)
+            )
             try:
                 for slot, chunk in zip(grant.slots, job.chunk_ids, strict=True):
                     if slot >= 0:

@@ -141,11 +141,11 @@ class Engine:
         return keys
 
     def lookup(
-        self, ids: list[int], timeout: float = 20.0
+        self, ids: list[int], timeout: float = 20.0, params: dict[str, Any] | None = None
     ) -> tuple[list[LookupResult], list[list[LookupResult]]]:
         """Look up once per scheduler step until no answer is RETRY or HIT_PENDING; returns
-        the final answers and the per-step trace."""
-        ctx = ReqContext(req_id=f"lookup-{next(_ids)}")
+        the final answers and the per-step trace. `params`: the request's kv_transfer_params."""
+        ctx = ReqContext(req_id=f"lookup-{next(_ids)}", kv_transfer_params=params)
         self.manager.on_new_request(ctx)
         trace: list[list[LookupResult]] = []
         deadline = time.monotonic() + timeout

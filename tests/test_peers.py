@@ -3,10 +3,13 @@ loopback, finding each other through a shared registry directory, authenticated 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
@@ -106,3 +109,24 @@ def test_rendezvous_homes_move_only_for_changed_members() -> None:
     moved = [k for k in keys if before[k] != after[k]]
     assert all(before[k] == members[-1] for k in moved)
     assert 100 < len(moved) < 320  # about a tenth of the keys
+
+
+def test_direct_mode_fetches_from_the_named_source(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    """P/D: the decode side's request names the prefill side's agent; no directory (the two
+    agents do not even share a registry) is needed."""
+    prefill = agent_factory(node_config(make_config, scratch, "prefill", None, "reg-prefill"))
+    decode_config = node_config(make_config, scratch, "decode", None, "reg-decode")
+    agent_factory(decode_config)
+    source = json.loads((scratch / "reg-prefill" / "prefill.json").read_text())["endpoint"]
+    with AgentClient(prefill.config.endpoint) as producer:
+        producer.store(NS, [key(i) for i in range(4)], [row(i, ROW) for i in range(4)])
+        wait_for(lambda: producer.stats()["tiers"][0].get("writebacks") == 4)
+    with AgentClient(decode_config.endpoint) as consumer:
+        keys = [key(i) for i in range(5)]
+        assert consumer.lookup(NS, keys).where == [-1] * 5  # unknown without the source
+        assert consumer.lookup(NS, keys, source=source).where == [1, 1, 1, 1, -1]
+        outs = [np.zeros(ROW, np.uint8) for _ in range(4)]
+        assert consumer.load_into(NS, keys[:4], outs, source=source) == [True] * 4
+        assert all(np.array_equal(o, row(i, ROW)) for i, o in enumerate(outs))

@@ -58,7 +58,14 @@ class Fetch(msgspec.Struct, tag="fetch"):
     key: bytes
 
 
-PeerRequest = Announce | WhoHas | Fetch
+class Holds(msgspec.Struct, tag="holds"):
+    """Direct mode: which of these keys does your pool hold?"""
+
+    namespace: str
+    keys: list[bytes]
+
+
+PeerRequest = Announce | WhoHas | Fetch | Holds
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(PeerRequest).decode
 
@@ -134,10 +141,12 @@ class PeerServer:
         config: PeerTierConfig,
         directory: Directory,
         read_chunk: Callable[[str, bytes], tuple[bytes, memoryview, Callable[[], None]] | None],
+        missing: Callable[[str, list[bytes]], list[bytes]],
     ) -> None:
         self.config = config
         self.directory = directory
         self._read_chunk = read_chunk
+        self._missing = missing
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._auth: ThreadAuthenticator | None = None
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -179,6 +188,10 @@ class PeerServer:
             elif isinstance(request, WhoHas):
                 holders = self.directory.holders(request.namespace, request.keys)
                 self._sock.send_multipart([identity, rid, _encode(holders)])
+            elif isinstance(request, Holds):
+                missing = set(self._missing(request.namespace, request.keys))
+                held = [key not in missing for key in request.keys]
+                self._sock.send_multipart([identity, rid, _encode(held)])
             else:
                 chunk = self._read_chunk(request.namespace, request.key)
                 if chunk is None:
@@ -292,12 +305,24 @@ class PeerTier(SecondaryTier):
         else:
             self._peer(home).send(Announce(header.namespace, [header.key], self.me))
 
+    def ask_source(self, source: str, namespace: str, keys: list[bytes]) -> None:
+        """Direct mode: remember `source` as the holder of the keys it says it holds, so
+        lookups and reads go straight to it (no directory involved)."""
+        if source == self.me:
+            return
+        reply = self._peer(source).call(Holds(namespace, keys))
+        if reply:
+            for key, held in zip(keys, msgspec.msgpack.decode(reply[0]), strict=True):
+                if held:
+                    self._holder[(namespace, key)] = source
+
     def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        found = [(namespace, key) in self._holder for key in keys]  # known holders first
         members = self.live_members()
         by_home: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
-            by_home.setdefault(home_of(key, members), []).append(i)
-        found = [False] * len(keys)
+            if not found[i]:
+                by_home.setdefault(home_of(key, members), []).append(i)
         for home, indexes in by_home.items():
             batch = [keys[i] for i in indexes]
             if home == self.me:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -174,3 +175,51 @@ def test_store_jobs_report_bytes(
     values = stats.data["data"]
     assert values["vllm:kvtier_store_bytes"][()] == 2 * engine.rows.shape[1]
     assert values["vllm:kvtier_agent_available"][()] == 1.0
+
+
+def test_direct_mode_from_kv_transfer_params(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    """P/D: the decode engine's request names the prefill node's agent in its
+    kv_transfer_params; the decode node's agent fetches the chunks from it."""
+    import json
+
+    from kvtier.bench.vllm_scheduler import ROW, kvtier_extra_config
+
+    def node(name: str) -> AgentConfig:
+        return make_config(
+            {
+                "name": name,
+                "runDir": str(scratch / f"run-{name}"),
+                "tiers": [{"name": "peers", "peer": {"bind": "tcp://127.0.0.1:*"}}],
+                "report": {
+                    "target": "file",
+                    "directory": str(scratch / f"reg-{name}"),
+                    "node": name,
+                    "intervalSeconds": 0.5,
+                    "minIntervalSeconds": 0.2,
+                },
+            },
+            chunkBytes=ROW,
+            poolDir=str(scratch / f"pool-{name}"),
+        )
+
+    prefill_agent, decode_agent = node("prefill"), node("decode")
+    agent_factory(prefill_agent)
+    agent_factory(decode_agent)
+    source = json.loads((scratch / "reg-prefill" / "prefill.json").read_text())["endpoint"]
+    prefill = Engine(kvtier_extra_config(prefill_agent, 16))
+    decode = Engine(kvtier_extra_config(decode_agent, 16))
+    try:
+        prefill.store([1, 2, 3])
+        time.sleep(0.5)  # the prefill agent seals the chunks (checksums travel with them)
+        assert decode.lookup([1, 2, 3])[0] == [MISS] * 3
+        answers, _ = decode.lookup([1, 2, 3], params={"kvtier_source": source})
+        assert answers == [HIT] * 3
+        assert all(
+            np.array_equal(r, chunk_row(i))
+            for i, r in zip([1, 2, 3], decode.read([1, 2, 3]), strict=True)
+        )
+    finally:
+        prefill.close()
+        decode.close()
