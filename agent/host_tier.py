@@ -78,7 +78,7 @@ class HostTier:
         """Bookkeeping that need not delay an answer: the policy's view of recent hits and
         the lookup counters. The server calls it after each reply, before the next request."""
         with self.lock:
-            touched = self.index.touch()
+            touched = self.index.take_touched()
             if touched and self.on_hits is not None:
                 self.on_hits(touched)
         if self._looked_up:
@@ -261,8 +261,7 @@ class HostTier:
                 log.warning("dropped corrupt chunk in slot %d", slot)
                 continue
             if self.index.get(header.namespace, header.key) is None:
-                entry = self.index.adopt(header.namespace, header.key, slot, header.length)
-                entry.checksum = header.checksum
+                self.index.adopt(header, slot)
         log.info(
             "re-indexed pool: %d chunks, %d corrupt, %.2fs",
             self.index.chunks,

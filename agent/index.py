@@ -78,6 +78,7 @@ class HostIndex:
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
         self._pending_hits: list[tuple[str, list[bytes], list[bool]]] = []
+        self._touched: list[Entry] = []
         self.counters = IndexCounters()
         self.events = ChunkEvents()
 
@@ -101,18 +102,23 @@ class HostIndex:
         self.counters.hits += n_hits
         return hits, hits.index(False) if n_hits < len(keys) else len(keys)
 
-    def touch(self) -> list[Entry]:
-        """Tell the policy about the hits of lookups answered since the last call; returns
-        the entries hit (each once per hit), whose hit counts were raised."""
-        touched: list[Entry] = []
+    def touch(self) -> None:
+        """Tell the policy about the hits of lookups answered since the last call and raise
+        the entries' hit counts; the entries wait in `touched` for `take_touched`."""
         for namespace, keys, hits in self._pending_hits:
             ready = self._ready.get(namespace, {})
             entries = [e for k, hit in zip(keys, hits, strict=True) if hit and (e := ready.get(k))]
             for entry in entries:
                 entry.hits += 1
             self.policy.on_hits([e.id for e in entries])
-            touched += entries
+            self._touched += entries
         self._pending_hits.clear()
+
+    def take_touched(self) -> list[Entry]:
+        """Entries hit since the last call (once per hit), whether `touch` ran after a reply
+        or before an eviction needed the current order."""
+        self.touch()
+        touched, self._touched = self._touched, []
         return touched
 
     def missing(self, namespace: str, keys: list[bytes]) -> list[bytes]:
@@ -220,10 +226,17 @@ class HostIndex:
     def unpin(self, entry: Entry) -> None:
         entry.pins -= 1
 
-    def adopt(self, namespace: str, key: bytes, slot: int, length: int) -> Entry:
-        """Index a chunk found in the pool after a restart."""
+    def adopt(self, header: ChunkHeader, slot: int) -> Entry:
+        """Index a verified chunk found in the pool after a restart."""
         self._free.remove(slot)
-        entry = Entry(id=(namespace, key), slot=slot, length=length, state=EntryState.READY)
+        namespace, key = header.namespace, header.key
+        entry = Entry(
+            id=(namespace, key),
+            slot=slot,
+            length=header.length,
+            state=EntryState.READY,
+            checksum=header.checksum,
+        )
         self._by_ns.setdefault(namespace, {})[key] = entry
         self._make_ready(entry)
         return entry

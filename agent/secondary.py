@@ -131,7 +131,7 @@ class SecondaryTiers:
             tier.count("dropped")
             self.metrics.writeback_dropped.labels(tier.name, reason).inc()
             return
-        entry.pins += 1  # released by the writer; the slot cannot be reused meanwhile
+        self.host.index.pin(entry)  # released by the writer: the slot cannot be reused meanwhile
         self._pins += 1
 
     def _write_loop(self, tier: _Tier) -> None:

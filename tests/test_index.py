@@ -106,3 +106,15 @@ def test_event_log_is_bounded_and_says_when_a_reader_fell_behind() -> None:
     batch = events.since("ns", 0)
     assert batch.stored == [b"2", b"3", b"4"] and batch.truncated
     assert not events.since("ns", 2).truncated
+
+
+def test_hits_applied_by_an_eviction_still_reach_take_touched(index: HostIndex) -> None:
+    """An eviction applies pending hits to the policy first; the hit entries must still be
+    handed to the secondary tiers (admission after N hits) afterwards."""
+    store(index, b"a", b"b", b"c", b"d")
+    index.lookup("ns", [b"a", b"b"])
+    store(index, b"e")  # pool full: the eviction touches a and b first
+    touched = index.take_touched()
+    assert sorted(e.id[1] for e in touched) == [b"a", b"b"]
+    assert all(e.hits == 1 for e in touched)
+    assert index.take_touched() == []
