@@ -11,8 +11,8 @@ from typing import Any
 import jsonpatch
 
 from kvtier.agent.config import ConfigError
-from kvtier.operator.builders import build_agent_config, build_daemonset
-from kvtier.operator.kube import KubeClient
+from kvtier.operator.kube import KubeClient, object_url
+from kvtier.operator.names import agent_name
 from kvtier.operator.reconcile import ensure_children
 from kvtier.operator.settings import OperatorSettings
 from kvtier.operator.status import aggregate, merge_conditions, transitions
@@ -57,11 +57,10 @@ async def reconcile_tier(state: State, tier: Manifest, logger: logging.Logger) -
 
 
 async def desired_agents(state: State, tier: Manifest) -> int:
-    try:
-        config = build_agent_config(tier, state.settings)
-    except ConfigError:
-        return 0
-    current = await state.client.get(build_daemonset(tier, config, state.settings))
+    """How many nodes should run an agent, as the DaemonSet controller says."""
+    meta = tier["metadata"]
+    path = object_url("apps/v1", "DaemonSet", meta["namespace"], agent_name(meta["name"]))
+    current = await state.client.request("GET", path)
     return int(((current or {}).get("status") or {}).get("desiredNumberScheduled", 0))
 
 
