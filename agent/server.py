@@ -9,7 +9,6 @@ clients. Lease reaping runs between requests, on the loop's poll timeout.
 
 from __future__ import annotations
 
-import functools
 import logging
 import signal
 import threading
@@ -31,7 +30,7 @@ from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.report import Reporter, make_registry
 from kvtier.agent.secondary import MISS, SecondaryTiers
 from kvtier.agent.tiers import SecondaryTier
-from kvtier.agent.tiers.peer import Directory, PeerServer, PeerTier, serve_from_pool
+from kvtier.agent.tiers.peer import PeerServer, PeerTier
 
 log = logging.getLogger("kvtier.agent")
 
@@ -53,12 +52,7 @@ class Agent:
         for tier in config.tiers:
             if tier.peer is not None:
                 assert self.registry is not None  # the config model requires a report target
-                self.peer_server = PeerServer(
-                    tier.peer,
-                    Directory(tier.peer.announce_ttl_seconds),
-                    functools.partial(serve_from_pool, self.host),
-                    self.host.missing,
-                )
+                self.peer_server = PeerServer(tier.peer, self.host)
                 self.registry.endpoint = self.peer_server.endpoint
                 self.peer_tier = PeerTier(tier.name, tier.peer, self.registry, self.peer_server)
                 prebuilt[tier.name] = self.peer_tier

@@ -24,15 +24,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvtier.agent.chunk import HEADER_BYTES, ChunkHeader
+from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.config import PeerTierConfig
+from kvtier.agent.host_tier import HostTier
 from kvtier.agent.report import Member, Registry
 from kvtier.agent.tiers.base import SecondaryTier, TierUsage, check_blob, check_payload
 
@@ -136,17 +136,10 @@ class Directory:
 class PeerServer:
     """Serves other agents: directory requests and chunk fetches from this agent's pool."""
 
-    def __init__(
-        self,
-        config: PeerTierConfig,
-        directory: Directory,
-        read_chunk: Callable[[str, bytes], tuple[bytes, memoryview, Callable[[], None]] | None],
-        missing: Callable[[str, list[bytes]], list[bytes]],
-    ) -> None:
+    def __init__(self, config: PeerTierConfig, host: HostTier) -> None:
         self.config = config
-        self.directory = directory
-        self._read_chunk = read_chunk
-        self._missing = missing
+        self.host = host
+        self.directory = Directory(config.announce_ttl_seconds)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._auth: ThreadAuthenticator | None = None
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -189,7 +182,7 @@ class PeerServer:
                 holders = self.directory.holders(request.namespace, request.keys)
                 self._sock.send_multipart([identity, rid, _encode(holders)])
             elif isinstance(request, Holds):
-                missing = set(self._missing(request.namespace, request.keys))
+                missing = set(self.host.missing(request.namespace, request.keys))
                 held = [key not in missing for key in request.keys]
                 self._sock.send_multipart([identity, rid, _encode(held)])
             else:
@@ -202,6 +195,24 @@ class PeerServer:
                     self._sock.send_multipart([identity, rid, header, payload])  # copies
                 finally:
                     release()
+
+    def _read_chunk(
+        self, namespace: str, key: bytes
+    ) -> tuple[bytes, memoryview, Callable[[], None]] | None:
+        """A fetch: lease the slot, hand out the header page and the bytes, and the release.
+        A chunk not sealed yet has no checksum to send and is not served."""
+        host = self.host
+        lease, slots = host.begin_load("kvtier-peer", namespace, [key])
+        if slots[0] < 0:
+            return None
+        with host.lock:
+            entry = host.index.get(namespace, key)
+            header = entry.header() if entry is not None and entry.checksum is not None else None
+        if header is None:
+            host.end_load(lease)
+            return None
+        payload = host.pool.payload(slots[0], header.length).data
+        return header.page(), payload, lambda: host.end_load(lease)
 
     def close(self) -> None:
         self._stop.set()
@@ -363,20 +374,3 @@ class PeerTier(SecondaryTier):
             if endpoint not in live:
                 self.server.directory.forget(endpoint)
         return 0
-
-
-def serve_from_pool(
-    host: Any, namespace: str, key: bytes
-) -> tuple[bytes, memoryview, Callable[[], None]] | None:
-    """A holder's side of a fetch: lease the slot, hand out header and bytes, then release."""
-    lease, slots = host.begin_load("kvtier-peer", namespace, [key])
-    if slots[0] < 0:
-        return None
-    with host.lock:
-        entry = host.index.get(namespace, key)
-        header = entry.header() if entry is not None and entry.checksum is not None else None
-    if header is None:  # not sealed yet: no checksum to send
-        host.end_load(lease)
-        return None
-    payload = host.pool.payload(slots[0], header.length).data
-    return header.page()[:HEADER_BYTES], payload, lambda: host.end_load(lease)
