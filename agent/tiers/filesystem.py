@@ -20,6 +20,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.agent.chunk import CHUNK_VERSION, ChunkHeader
@@ -44,6 +45,29 @@ STALE_TEMP_SECONDS = 3600.0
 
 def _aligned(n: int) -> int:
     return -(-n // PAGE) * PAGE
+
+
+def _vectored(
+    io: Callable[[int, list[memoryview], int], int],
+    fd: int,
+    buffers: list[bytes | memoryview],
+    offset: int,
+) -> int:
+    """Run pwritev/preadv until every buffer is done (or EOF on a read): the calls may
+    move fewer bytes than asked. Returns the bytes moved."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    done = 0
+    while views:
+        n = io(fd, views, offset + done)
+        if n == 0:
+            break
+        done += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return done
 
 
 _local = threading.local()
@@ -113,9 +137,9 @@ class FilesystemTier(SecondaryTier):
                 # the header goes through an anonymous (aligned) mapping.
                 page = _header_page()
                 page[:] = header.page()
-                self._pwrite_all(fd, [page, payload[: _aligned(header.length)]])
+                _vectored(os.pwritev, fd, [page, payload[: _aligned(header.length)]], 0)
             else:
-                self._pwrite_all(fd, [header.page(), payload[: header.length]])
+                _vectored(os.pwritev, fd, [header.page(), payload[: header.length]], 0)
             if self.config.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -139,7 +163,7 @@ class FilesystemTier(SecondaryTier):
             try:
                 # One read for header and payload; the header lands in an aligned page.
                 page = _header_page()
-                got = self._preadv_all(fd, [page, out], 0) - HEADER_BYTES
+                got = _vectored(os.preadv, fd, [page, out], 0) - HEADER_BYTES
                 header = check_blob(page, namespace, key, len(out))
                 if got < header.length:
                     raise CorruptChunk("file is shorter than its header says")
@@ -249,33 +273,3 @@ class FilesystemTier(SecondaryTier):
                 log.warning("tier %s: O_DIRECT not supported here, using buffered I/O", self.name)
                 self._direct = False
         return os.open(path, flags, 0o644)
-
-    @staticmethod
-    def _pwrite_all(fd: int, buffers: list[bytes | memoryview]) -> None:
-        views = [memoryview(b) for b in buffers]
-        offset = 0
-        while views:
-            n = os.pwritev(fd, views, offset)
-            offset += n
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if views and n:
-                views[0] = views[0][n:]
-
-    @staticmethod
-    def _preadv_all(fd: int, buffers: list[memoryview], offset: int) -> int:
-        """Fill the buffers in order from `offset`; returns bytes read (short at EOF)."""
-        views = [v.cast("B") for v in buffers]
-        done = 0
-        while views:
-            n = os.preadv(fd, views, offset + done)
-            if n == 0:
-                break
-            done += n
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if views and n:
-                views[0] = views[0][n:]
-        return done
