@@ -175,6 +175,18 @@ class PeerTierConfig(_Model):
     membership_seconds: float = Field(
         default=10.0, gt=0, description="How often the list of live agents is re-read."
     )
+    data_path: Literal["auto", "nixl", "zmq"] = Field(
+        default="auto",
+        description="How chunk bytes move between agents: NIXL (UCX) reads straight between "
+        "the pools, ZMQ frames otherwise. auto: NIXL where installed on both sides; nixl: "
+        "refuse to start without it.",
+    )
+    max_lent_chunks: int = Field(
+        default=256,
+        ge=1,
+        description="Chunks this agent serves to peers at once; more requests are refused "
+        "(a miss for the asker) so an overloaded node sheds load instead of queueing it.",
+    )
 
 
 class TierConfig(_Model):

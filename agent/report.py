@@ -8,6 +8,8 @@ API server one small write per agent per heartbeat, not one per request.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime as dt
 import json
 import logging
@@ -63,7 +65,7 @@ def build_report(stats: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         "tiers": tiers,
         "lookups": lookups,
         "hits": hits,
-        "peers": [],
+        "peers": stats.get("peers", []),
         "fingerprints": sorted(stats.get("namespaces", {})),
         "summary": {
             "host": f"{stats['used_bytes'] >> 20}Mi/{stats['capacity_bytes'] >> 20}Mi",
@@ -79,6 +81,14 @@ class Member:
     node: str
     endpoint: str
     heartbeat: dt.datetime | None
+    nixl: bytes | None = None  # its NIXL agent metadata, when it has NIXL
+
+
+def _unb64(value: str | None) -> bytes | None:
+    try:
+        return base64.b64decode(value, validate=True) if value else None
+    except (binascii.Error, ValueError):
+        return None
 
 
 def _parse_time(value: str | None) -> dt.datetime | None:
@@ -88,6 +98,10 @@ def _parse_time(value: str | None) -> dt.datetime | None:
 class Registry(ABC):
     node: str
     endpoint: str | None = None  # this agent's peer endpoint, published with its report
+    nixl: bytes | None = None  # and its NIXL agent metadata
+
+    def _nixl_text(self) -> str | None:
+        return base64.b64encode(self.nixl).decode() if self.nixl else None
 
     @abstractmethod
     def publish(self, status: dict[str, Any]) -> None: ...
@@ -108,7 +122,13 @@ class FileRegistry(Registry):
 
     def publish(self, status: dict[str, Any]) -> None:
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"node": self.node, "endpoint": self.endpoint, "status": status}))
+        record = {
+            "node": self.node,
+            "endpoint": self.endpoint,
+            "nixlMetadata": self._nixl_text(),
+            "status": status,
+        }
+        tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)
 
     def members(self) -> list[Member]:
@@ -124,6 +144,7 @@ class FileRegistry(Registry):
                         record["node"],
                         record["endpoint"],
                         _parse_time(record["status"].get("heartbeat")),
+                        _unb64(record.get("nixlMetadata")),
                     )
                 )
         return found
@@ -190,6 +211,7 @@ class KubernetesRegistry(Registry):
                 item["spec"]["node"],
                 item["spec"]["endpoints"]["control"],
                 _parse_time((item.get("status") or {}).get("heartbeat")),
+                _unb64(item["spec"].get("nixlMetadata")),
             )
             for item in listing.get("items", [])
             if item["spec"].get("tier") == self.tier
@@ -198,10 +220,20 @@ class KubernetesRegistry(Registry):
 
     def publish(self, status: dict[str, Any]) -> None:
         if not self._created:
+            spec = self._body["spec"]
             if self.endpoint:
-                self._body["spec"]["endpoints"] = {"control": self.endpoint}
+                spec["endpoints"] = {"control": self.endpoint}
+            if self.nixl:
+                spec["nixlMetadata"] = self._nixl_text()
             code, _ = self._request("POST", self._collection, self._body)
-            if code not in (200, 201, 409):
+            if code == 409:  # left by this node's previous agent: its address and NIXL agent
+                code, _ = self._request(  # have changed since
+                    "PATCH",
+                    f"{self._collection}/{self.name}",
+                    {"spec": spec},
+                    "application/merge-patch+json",
+                )
+            if code not in (200, 201):
                 raise RuntimeError(f"creating KVCacheNode {self.name}: HTTP {code}")
             self._created = True
         code, _ = self._request(

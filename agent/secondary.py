@@ -267,6 +267,7 @@ class SecondaryTiers:
                     "chunks": usage.objects,
                     "queued": tier.queue.qsize(),
                     **tier.counts,
+                    **tier.backend.counters(),
                 }
             )
         return out

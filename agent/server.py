@@ -54,6 +54,8 @@ class Agent:
                 assert self.registry is not None  # the config model requires a report target
                 self.peer_server = PeerServer(tier.peer, self.host)
                 self.registry.endpoint = self.peer_server.endpoint
+                if self.peer_server.nixl is not None:
+                    self.registry.nixl = self.peer_server.nixl.metadata
                 self.peer_tier = PeerTier(tier.name, tier.peer, self.registry, self.peer_server)
                 prebuilt[tier.name] = self.peer_tier
         self.tiers = (
@@ -91,6 +93,7 @@ class Agent:
         return {
             **self.host.stats(),
             "tiers": self.tiers.stats() if self.tiers is not None else [],
+            "peers": self.peer_tier.peers() if self.peer_tier is not None else [],
             "clients": len(self.clients),
             "name": self.config.name,
             "metrics_port": self.metrics_port,

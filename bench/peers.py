@@ -1,6 +1,6 @@
-"""`kvtier bench peers`: chunks fetched from another node's agent over the peer tier's ZMQ
-data path, next to a raw loopback TCP stream of the same bytes, same run; and the round
-trip of a batched lookup that must ask the keys' home agents."""
+"""`kvtier bench peers`: chunks fetched from another node's agent over each of the peer
+tier's data paths (NIXL, ZMQ), next to a raw loopback TCP stream of the same bytes, same run;
+and the round trip of a batched lookup that must ask the keys' home agents."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig, scratch_config
 from kvtier.agent.pool import PAGE
 from kvtier.agent.process import AgentProcess
+from kvtier.agent.tiers.nixl_path import available
 
 MiB = 1 << 20
 NS = "bench-peers"
@@ -57,7 +58,7 @@ def raw_tcp_gbps(nbytes: int, chunk: int) -> float:
     return received / elapsed / 1e9
 
 
-def node(scratch: Path, name: str, row: int, slots: int) -> AgentConfig:
+def node(scratch: Path, name: str, row: int, slots: int, data_path: str) -> AgentConfig:
     return scratch_config(
         scratch / name,
         name,
@@ -70,12 +71,13 @@ def node(scratch: Path, name: str, row: int, slots: int) -> AgentConfig:
                     "bind": "tcp://127.0.0.1:*",
                     "timeoutSeconds": 5,
                     "membershipSeconds": 0.5,
+                    "dataPath": data_path,
                 },
             }
         ],
         report={
             "target": "file",
-            "directory": str(scratch / "registry"),
+            "directory": str(scratch / f"registry-{data_path}"),
             "node": name,
             "intervalSeconds": 0.5,
             "minIntervalSeconds": 0.2,
@@ -84,53 +86,79 @@ def node(scratch: Path, name: str, row: int, slots: int) -> AgentConfig:
     )
 
 
+def measure(
+    scratch: Path, data_path: str, row: int, chunks: int, rounds: int, lookups: int
+) -> tuple[list[float], list[float], list[float], dict[str, Any]]:
+    """Per round: GB/s loading `chunks` rows held by another agent, and raw TCP GB/s moving
+    the same bytes just before; then remote lookup latencies (µs) and the peer tier's stats."""
+    a = node(scratch, f"{data_path}-a", row, chunks * rounds + 8, data_path)
+    b = node(scratch, f"{data_path}-b", row, chunks + 8, data_path)
+    kv, raw, latencies = [], [], []
+    with (
+        AgentProcess(a),
+        AgentProcess(b),
+        AgentClient(a.endpoint) as producer,
+        AgentClient(b.endpoint) as consumer,
+    ):
+        time.sleep(1.5)  # both reports written and read
+        data = [np.full(row, i % 251, np.uint8) for i in range(chunks)]
+        outs = [np.empty(row, np.uint8) for _ in range(chunks)]
+        for r in range(rounds):
+            keys = [b"r%d-%08d" % (r, i) for i in range(chunks)]
+            producer.store(NS, keys, data)
+            while producer.stats()["tiers"][0].get("writebacks", 0) < chunks * (r + 1):
+                time.sleep(0.05)
+            raw.append(raw_tcp_gbps(chunks * row, row))
+            started = time.perf_counter()
+            loaded = consumer.load_into(NS, keys, outs)
+            kv.append(sum(loaded) * row / (time.perf_counter() - started) / 1e9)
+            if not all(loaded) or not np.array_equal(outs[-1], data[-1]):
+                raise RuntimeError("a chunk did not come back intact from the peer")
+        probe = [b"absent-%08d" % i for i in range(1024)]
+        for _ in range(lookups):
+            started = time.perf_counter()
+            consumer.lookup(NS, probe)
+            latencies.append((time.perf_counter() - started) * 1e6)
+        stats = consumer.stats()["tiers"][0]
+    return kv, raw, latencies, stats
+
+
 def run(quick: bool) -> dict[str, Any]:
-    row, chunks, rounds = MiB, (32 if quick else 128), (2 if quick else 3)
+    row, chunks, rounds = MiB, (32 if quick else 128), (3 if quick else 5)
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir="/dev/shm"))
-    kv, raw, lookups = [], [], []
+    paths = ["nixl", "zmq"] if available() else ["zmq"]
+    gbps: dict[str, float] = {}
+    raw: list[float] = []
+    reads: dict[str, int] = {}
+    lookups: list[float] = []
     try:
-        a, b = (
-            node(scratch, "node-a", row, chunks * rounds + 8),
-            node(scratch, "node-b", row, chunks + 8),
-        )
-        with (
-            AgentProcess(a),
-            AgentProcess(b),
-            AgentClient(a.endpoint) as producer,
-            AgentClient(b.endpoint) as consumer,
-        ):
-            time.sleep(1.5)  # both reports written and read
-            data = [np.full(row, i % 251, np.uint8) for i in range(chunks)]
-            outs = [np.empty(row, np.uint8) for _ in range(chunks)]
-            for r in range(rounds):
-                keys = [b"r%d-%08d" % (r, i) for i in range(chunks)]
-                producer.store(NS, keys, data)
-                while producer.stats()["tiers"][0].get("writebacks", 0) < chunks * (r + 1):
-                    time.sleep(0.05)
-                raw.append(raw_tcp_gbps(chunks * row, row))
-                started = time.perf_counter()
-                loaded = consumer.load_into(NS, keys, outs)
-                kv.append(sum(loaded) * row / (time.perf_counter() - started) / 1e9)
-                if not all(loaded) or not np.array_equal(outs[-1], data[-1]):
-                    raise RuntimeError("a chunk did not come back intact from the peer")
-            probe = [b"absent-%08d" % i for i in range(1024)]
-            for _ in range(40 if quick else 200):
-                started = time.perf_counter()
-                consumer.lookup(NS, probe)
-                lookups.append((time.perf_counter() - started) * 1e6)
+        for path in paths:
+            kv, tcp, latencies, stats = measure(
+                scratch, path, row, chunks, rounds, 40 if quick else 200
+            )
+            gbps[path] = statistics.median(kv)
+            raw += tcp
+            reads[path] = int(stats.get(f"{path}_reads", 0))
+            if reads[path] != chunks * rounds:
+                raise RuntimeError(f"{path}: {reads[path]} of {chunks * rounds} chunks took it")
+            lookups += latencies
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     lookups.sort()
-    zmq_gbps, tcp_gbps = statistics.median(kv), statistics.median(raw)
+    tcp_gbps = statistics.median(raw)
+    nixl = gbps.get("nixl")
     return {
         "benchmark": "peers",
         "quick": quick,
         "row_bytes": row,
         "chunks": chunks,
-        "zmq_gbps": zmq_gbps,
+        "rounds": rounds,
         "tcp_gbps": tcp_gbps,
-        "zmq_ratio_vs_tcp": zmq_gbps / tcp_gbps,
-        "nixl_ratio_vs_tcp": None,  # the NIXL data path is not built yet
+        "zmq_gbps": gbps["zmq"],
+        "nixl_gbps": nixl,
+        "zmq_ratio_vs_tcp": gbps["zmq"] / tcp_gbps,
+        "nixl_ratio_vs_tcp": None if nixl is None else nixl / tcp_gbps,
+        "chunks_read": reads,
         "lookup_p50_us_remote_1k": lookups[len(lookups) // 2],
         "lookup_p99_us_remote_1k": lookups[min(len(lookups) - 1, int(len(lookups) * 0.99))],
     }

@@ -142,7 +142,14 @@ def render_peers(result: dict[str, Any], console: Console) -> None:
     table.add_row(
         "kvtier peers (ZMQ)", f"{result['zmq_gbps']:.2f}", f"{result['zmq_ratio_vs_tcp']:.2f}"
     )
-    table.add_row("kvtier peers (NIXL)", "n/a", "not built")
+    if result["nixl_gbps"] is None:
+        table.add_row("kvtier peers (NIXL)", "n/a", "NIXL not installed")
+    else:
+        table.add_row(
+            "kvtier peers (NIXL)",
+            f"{result['nixl_gbps']:.2f}",
+            f"{result['nixl_ratio_vs_tcp']:.2f}",
+        )
     console.print(table)
     console.print(
         f"{result['chunks']} chunks of {format_bytes(result['row_bytes'])} loaded on another "

@@ -46,6 +46,13 @@ def run_dir(tier: Manifest, settings: OperatorSettings) -> str:
     return f"{settings.run_root}/{instance_id(meta['namespace'], meta['name'])}"
 
 
+def data_path(transports: list[str]) -> str:
+    """The agent's `dataPath` for the tier's allowed peer transports."""
+    if "nixl" not in transports:
+        return "zmq"
+    return "auto" if "zmq" in transports else "nixl"
+
+
 def build_agent_config(tier: Manifest, settings: OperatorSettings) -> AgentConfig:
     """The agent's config for this resource; raises ConfigError naming the field."""
     meta, spec = tier["metadata"], tier["spec"]
@@ -78,6 +85,8 @@ def build_agent_config(tier: Manifest, settings: OperatorSettings) -> AgentConfi
                     **common,
                     "peer": {
                         "bind": f"tcp://0.0.0.0:{peer.get('port', 5557)}",
+                        "dataPath": data_path(peer.get("transports", ["nixl", "zmq"])),
+                        "maxLentChunks": peer.get("maxLentChunks", 256),
                         **(
                             {"curveKeyDir": f"{CURVE_MOUNT}/{entry['name']}"}
                             if "curveKeySecret" in peer

@@ -87,6 +87,10 @@ class SecondaryTier(ABC):
     def maintain(self) -> int:
         """Periodic upkeep (rescans, eviction to the watermarks); returns chunks evicted."""
 
+    def counters(self) -> dict[str, int]:
+        """Tier-specific counters for the agent's stats (how chunks moved, refusals)."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release clients and threads."""
 

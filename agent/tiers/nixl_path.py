@@ -1,0 +1,128 @@
+"""The peer tier's NIXL data path: a chunk is READ by the requester straight from the
+holder's pool slot into its own reserved slot, with no copy through either agent's Python.
+
+Both agents register their whole pool (one DRAM region) with NIXL's UCX backend once; the
+holder lends a slot (a lease on it, its address and the NIXL agent name) over the ZMQ control
+channel, and the requester reads it, verifies the checksum and gives the lease back. NIXL is
+optional: without the package (or with `dataPath: zmq`) chunks move over ZMQ.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from kvtier.agent.pool import PoolMap
+
+log = logging.getLogger("kvtier.agent.nixl")
+
+
+def _load_nixl() -> Any | None:
+    """NIXL's Python API, if installed. The cu12 build runs DRAM-to-DRAM over UCX without a
+    GPU; its `_api` module is imported directly because the package root imports torch."""
+    try:
+        return importlib.import_module("nixl_cu12._api")
+    except ImportError:
+        return None
+
+
+_nixl = _load_nixl()
+
+
+class NixlUnavailable(RuntimeError):
+    """`dataPath: nixl` was asked for but NIXL cannot be loaded here."""
+
+
+def available() -> bool:
+    return _nixl is not None
+
+
+def view_address(view: memoryview) -> int:
+    """Address of the first byte of a writable buffer (a slot of the pool)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class NixlPath:
+    """One NIXL agent for this kvtier agent, with its pool registered."""
+
+    def __init__(self, name: str, pool: PoolMap) -> None:
+        if _nixl is None:
+            raise NixlUnavailable(
+                "tiers[].peer.dataPath is 'nixl' but the nixl package is not installed; "
+                "install nixl-cu12 (see docs/configuration.md) or set dataPath to 'auto' or 'zmq'"
+            )
+        os.environ.setdefault("UCX_LOG_LEVEL", "error")
+        self.name = name
+        self._agent: Any = _nixl.nixl_agent(name, _nixl.nixl_agent_config(backends=["UCX"]))
+        self.base = int(pool.array.ctypes.data)
+        self.size = int(pool.array.nbytes)
+        self._registered = self._agent.register_memory([(self.base, self.size, 0, "")], "DRAM")
+        self.metadata: bytes = self._agent.get_agent_metadata()
+        self._lock = threading.Lock()
+        self._known: dict[str, bytes] = {}  # remote agent name -> the metadata it was added with
+
+    def knows(self, remote: str) -> bool:
+        return remote in self._known
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Make a remote agent reachable; returns its NIXL name."""
+        with self._lock:
+            name = self._agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._known[name] = metadata
+            return name
+
+    def forget(self, remote: str) -> None:
+        with self._lock:
+            if self._known.pop(remote, None) is not None:
+                try:
+                    self._agent.remove_remote_agent(remote)
+                except Exception as exc:  # already gone from NIXL's view
+                    log.debug("removing NIXL agent %s: %s", remote, exc)
+
+    def read(
+        self, remote: str, remote_address: int, out: memoryview, nbytes: int, timeout: float
+    ) -> bool:
+        """READ `nbytes` from the remote address into `out`; False on failure or timeout.
+
+        Never returns while the transfer may still write into `out`: a transfer that cannot
+        be released in time is waited for, since `out` goes back to the pool afterwards."""
+        local_address = view_address(out)
+        if not self.base <= local_address <= self.base + self.size - nbytes:
+            raise ValueError("the destination is not inside the registered pool")
+        with self._lock:
+            local = self._agent.get_xfer_descs([(local_address, nbytes, 0)], "DRAM")
+            far = self._agent.get_xfer_descs([(remote_address, nbytes, 0)], "DRAM")
+            handle = self._agent.initialize_xfer("READ", local, far, remote)
+            state = self._agent.transfer(handle)
+        deadline = time.monotonic() + timeout
+        pause = 0.00002
+        while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+            with self._lock:
+                state = self._agent.check_xfer_state(handle)
+        while True:
+            try:
+                with self._lock:
+                    self._agent.release_xfer_handle(handle)
+                break
+            except Exception:  # still in flight and not abortable: wait for it to end
+                time.sleep(0.01)
+        return bool(state == "DONE")
+
+    def close(self) -> None:
+        with self._lock:
+            for remote in list(self._known):
+                try:
+                    self._agent.remove_remote_agent(remote)
+                except Exception as exc:
+                    log.debug("removing NIXL agent %s: %s", remote, exc)
+            self._known.clear()
+            self._agent.deregister_memory(self._registered)
