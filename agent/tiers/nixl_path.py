@@ -86,20 +86,26 @@ class NixlPath:
                 except Exception as exc:  # already gone from NIXL's view
                     log.debug("removing NIXL agent %s: %s", remote, exc)
 
-    def read(
-        self, remote: str, remote_address: int, out: memoryview, nbytes: int, timeout: float
-    ) -> bool:
-        """READ `nbytes` from the remote address into `out`; False on failure or timeout.
+    def read(self, remote: str, reads: list[tuple[int, memoryview, int]], timeout: float) -> bool:
+        """One transfer READing each (remote address, destination, bytes); False on failure
+        or timeout.
 
-        Never returns while the transfer may still write into `out`: a transfer that cannot
-        be released in time is waited for, since `out` goes back to the pool afterwards."""
-        local_address = view_address(out)
-        if not self.base <= local_address <= self.base + self.size - nbytes:
-            raise ValueError("the destination is not inside the registered pool")
+        Never returns while the transfer may still write into a destination: one that cannot
+        be released in time is waited for, since the destinations go back to the pool."""
+        local, far = [], []
+        for remote_address, out, nbytes in reads:
+            address = view_address(out)
+            if not self.base <= address <= self.base + self.size - nbytes:
+                raise ValueError("a destination is not inside the registered pool")
+            local.append((address, nbytes, 0))
+            far.append((remote_address, nbytes, 0))
         with self._lock:
-            local = self._agent.get_xfer_descs([(local_address, nbytes, 0)], "DRAM")
-            far = self._agent.get_xfer_descs([(remote_address, nbytes, 0)], "DRAM")
-            handle = self._agent.initialize_xfer("READ", local, far, remote)
+            handle = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs(local, "DRAM"),
+                self._agent.get_xfer_descs(far, "DRAM"),
+                remote,
+            )
             state = self._agent.transfer(handle)
         deadline = time.monotonic() + timeout
         pause = 0.00002

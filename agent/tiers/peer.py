@@ -26,6 +26,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -37,14 +38,21 @@ from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.config import PeerTierConfig
 from kvtier.agent.host_tier import HostTier
 from kvtier.agent.report import Member, Registry
-from kvtier.agent.tiers.base import SecondaryTier, TierUsage, check_blob, check_payload
+from kvtier.agent.tiers.base import (
+    CorruptChunk,
+    SecondaryTier,
+    TierUsage,
+    check_blob,
+    check_payload,
+)
 from kvtier.agent.tiers.nixl_path import NixlPath, available
 
 log = logging.getLogger("kvtier.agent.peers")
 _RID = struct.Struct("<Q")
 HOLDER_CACHE = 65536
 CONNECTIONS_PER_PEER = 4
-BUSY = b"busy"  # the holder lends too many slots already
+MAX_BATCH = 64  # chunks asked of one holder in one request
+SENT, ABSENT, BUSY = "sent", "absent", "busy"  # BUSY: the holder lends too many slots already
 
 
 class _NixlFailed(Exception):
@@ -63,8 +71,11 @@ class WhoHas(msgspec.Struct, tag="who_has"):
 
 
 class Fetch(msgspec.Struct, tag="fetch"):
+    """Send these chunks over ZMQ: answered with one status per key (`SENT`, `ABSENT`,
+    `BUSY`), then a header frame and a payload frame per chunk sent."""
+
     namespace: str
-    key: bytes
+    keys: list[bytes]
 
 
 class Holds(msgspec.Struct, tag="holds"):
@@ -79,27 +90,32 @@ class NixlHello(msgspec.Struct, tag="nixl_hello"):
 
 
 class Lend(msgspec.Struct, tag="lend"):
-    """Lease the chunk's slot for a NIXL READ; answered with `Lent`."""
+    """Lease these chunks' slots for NIXL READs; answered with a `Loan`."""
 
     namespace: str
-    key: bytes
+    keys: list[bytes]
 
 
 class Return(msgspec.Struct, tag="return"):
     lease: int
 
 
-class Lent(msgspec.Struct):
-    lease: int
+class Lent(msgspec.Struct, array_like=True):
     address: int
     header: bytes
+
+
+class Loan(msgspec.Struct):
+    lease: int
     agent: str  # the holder's NIXL agent: a restarted holder has a new one
+    chunks: list[Lent | str]  # or ABSENT / BUSY
 
 
 PeerRequest = Announce | WhoHas | Fetch | Holds | NixlHello | Lend | Return
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(PeerRequest).decode
-_decode_lent = msgspec.msgpack.Decoder(Lent).decode
+_decode_loan = msgspec.msgpack.Decoder(Loan).decode
+_decode_statuses = msgspec.msgpack.Decoder(list[str]).decode
 
 
 def home_of(key: bytes, members: list[str]) -> str:
@@ -194,22 +210,24 @@ class PeerServer:
         if "0.0.0.0" in bound:  # listening everywhere: advertise the pod's (or host's) address
             bound = bound.replace("0.0.0.0", os.environ.get("POD_IP") or socket.gethostname())
         self.endpoint = config.advertise or bound
-        # Slots lent out: NIXL leases until returned (or expired), ZMQ sends until sent.
-        self._lent: dict[int, float] = {}
-        self._sending: list[tuple[zmq.MessageTracker, int]] = []
+        # Slots lent out: NIXL loans until returned (or expired), ZMQ sends until sent.
+        self._loans: dict[int, tuple[float, int]] = {}  # lease -> (deadline, slots)
+        self._sending: list[tuple[zmq.MessageTracker, int, int]] = []  # (tracker, lease, slots)
+        self._lent = 0
         self.refused = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvtier-peers", daemon=True)
         self._thread.start()
 
     def lent(self) -> int:
-        return len(self._lent) + len(self._sending)
+        """Slots lent to peers right now."""
+        return self._lent
 
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            ready = poller.poll(200 if not self.lent() else 5)
+            ready = poller.poll(200 if not self._lent else 5)
             self._settle()
             if not ready:
                 continue
@@ -221,97 +239,102 @@ class PeerServer:
                 request = _decode(body)
             except msgspec.DecodeError:
                 continue
+            if isinstance(request, Fetch):
+                self._send_chunks(identity, rid, request)
+                continue
             reply = self._handle(request)
-            if reply:
-                self._sock.send_multipart([identity, rid, *reply])
-            elif reply is None and isinstance(request, Fetch):
-                self._send_chunk(identity, rid, request)
+            if reply is not None:
+                self._sock.send_multipart([identity, rid, reply])
 
-    def _handle(self, request: PeerRequest) -> list[bytes] | None:
-        """The reply frames to a request (an empty list for one-way messages); None for a
-        fetch, which `_send_chunk` answers from the slot."""
+    def _handle(self, request: PeerRequest) -> bytes | None:
+        """The reply to a request; None for one-way messages."""
         if isinstance(request, Announce):
             self.directory.announce(request.namespace, request.keys, request.holder)
-            return []
-        if isinstance(request, WhoHas):
-            return [_encode(self.directory.holders(request.namespace, request.keys))]
-        if isinstance(request, Holds):
+        elif isinstance(request, WhoHas):
+            return _encode(self.directory.holders(request.namespace, request.keys))
+        elif isinstance(request, Holds):
             missing = set(self.host.missing(request.namespace, request.keys))
-            return [_encode([key not in missing for key in request.keys])]
-        if isinstance(request, NixlHello):
-            return [self.nixl.metadata if self.nixl is not None else b""]
-        if isinstance(request, Return):
-            if self._lent.pop(request.lease, None) is not None:
-                self.host.end_load(request.lease)
-            return []
-        if isinstance(request, Lend):
-            return [self._lend(request.namespace, request.key)]
+            return _encode([key not in missing for key in request.keys])
+        elif isinstance(request, NixlHello):
+            return self.nixl.metadata if self.nixl is not None else b""
+        elif isinstance(request, Return):
+            loan = self._loans.pop(request.lease, None)
+            if loan is not None:
+                self._end(request.lease, loan[1])
+        elif isinstance(request, Lend):
+            return _encode(self._lend(request.namespace, request.keys))
         return None
 
-    def _busy(self) -> bool:
-        if self.lent() < self.config.max_lent_chunks:
-            return False
-        self.refused += 1
-        return True
-
-    def _lend(self, namespace: str, key: bytes) -> bytes:
+    def _lend(self, namespace: str, keys: list[bytes]) -> Loan:
         if self.nixl is None:
-            return b""
-        if self._busy():
-            return BUSY
-        chunk = self._lease_chunk(namespace, key)
-        if chunk is None:
-            return b""
-        lease, slot, header = chunk
-        self._lent[lease] = time.monotonic() + 2 * self.config.timeout_seconds
-        address = self.nixl.base + self.host.pool.geometry.payload_offset(slot)
-        return _encode(Lent(lease, address, header.page(), self.nixl.name))
+            return Loan(0, "", [ABSENT] * len(keys))
+        lease, chunks = self._lease(namespace, keys)
+        base, geometry = self.nixl.base, self.host.pool.geometry
+        lent: list[Lent | str] = [
+            c if isinstance(c, str) else Lent(base + geometry.payload_offset(c[0]), c[1].page())
+            for c in chunks
+        ]
+        if lease:
+            slots = sum(not isinstance(c, str) for c in chunks)
+            self._loans[lease] = (time.monotonic() + 2 * self.config.timeout_seconds, slots)
+        return Loan(lease, self.nixl.name, lent)
 
-    def _send_chunk(self, identity: bytes, rid: bytes, request: Fetch) -> None:
-        if self._busy():
-            self._sock.send_multipart([identity, rid, BUSY])
-            return
-        chunk = self._lease_chunk(request.namespace, request.key)
-        if chunk is None:
-            self._sock.send_multipart([identity, rid, b""])
-            return
-        lease, slot, header = chunk
-        payload = self.host.pool.payload(slot, header.length).data
-        # Sent from the slot itself; the lease ends once ZMQ is done with the bytes.
-        tracker = self._sock.send_multipart(
-            [identity, rid, header.page(), payload], copy=False, track=True
-        )
-        assert tracker is not None
-        self._sending.append((tracker, lease))
+    def _send_chunks(self, identity: bytes, rid: bytes, request: Fetch) -> None:
+        lease, chunks = self._lease(request.namespace, request.keys)
+        frames: list[bytes | memoryview] = [identity, rid, b""]
+        statuses = []
+        for chunk in chunks:
+            if isinstance(chunk, str):
+                statuses.append(chunk)
+                continue
+            slot, header = chunk
+            statuses.append(SENT)
+            # Sent from the slot itself; the lease ends once ZMQ is done with the bytes.
+            frames += [header.page(), self.host.pool.payload(slot, header.length).data]
+        frames[2] = _encode(statuses)
+        tracker = self._sock.send_multipart(frames, copy=False, track=True)
+        if lease:
+            assert tracker is not None
+            self._sending.append((tracker, lease, statuses.count(SENT)))
 
-    def _lease_chunk(self, namespace: str, key: bytes) -> tuple[int, int, ChunkHeader] | None:
-        """Lease a chunk's slot: (lease, slot, header). A chunk not sealed yet has no
-        checksum to send and is not served."""
-        host = self.host
-        lease, slots = host.begin_load("kvtier-peer", namespace, [key])
-        if slots[0] < 0:
-            return None
-        with host.lock:
-            entry = host.index.get(namespace, key)
-            header = entry.header() if entry is not None and entry.checksum is not None else None
-        if header is None:
-            host.end_load(lease)
-            return None
-        return lease, slots[0], header
+    def _lease(
+        self, namespace: str, keys: list[bytes]
+    ) -> tuple[int, list[tuple[int, ChunkHeader] | str]]:
+        """Lease the slots of the held chunks among `keys`, up to the lending cap: the lease
+        (0 for none) and per key (slot, header), ABSENT or BUSY. A chunk not sealed yet has
+        no checksum to send and counts as absent."""
+        room = max(0, self.config.max_lent_chunks - self._lent)
+        asked, refused = keys[:room], len(keys) - min(room, len(keys))
+        self.refused += refused
+        chunks: list[tuple[int, ChunkHeader] | str] = []
+        lease = 0
+        if asked:
+            host = self.host
+            lease, slots = host.begin_load("kvtier-peer", namespace, asked)
+            with host.lock:
+                for key, slot in zip(asked, slots, strict=True):
+                    entry = host.index.get(namespace, key) if slot >= 0 else None
+                    sealed = entry is not None and entry.checksum is not None
+                    chunks.append((slot, entry.header()) if sealed and entry else ABSENT)
+            self._lent += sum(not isinstance(c, str) for c in chunks)
+        return lease, chunks + [BUSY] * refused
+
+    def _end(self, lease: int, slots: int) -> None:
+        self.host.end_load(lease)
+        self._lent -= slots
 
     def _settle(self) -> None:
         """End the leases of finished sends and of loans not returned in time."""
         still = []
-        for tracker, lease in self._sending:
+        for tracker, lease, slots in self._sending:
             if tracker.done:
-                self.host.end_load(lease)
+                self._end(lease, slots)
             else:
-                still.append((tracker, lease))
+                still.append((tracker, lease, slots))
         self._sending = still
         now = time.monotonic()
-        for lease in [lease for lease, deadline in self._lent.items() if deadline < now]:
-            del self._lent[lease]
-            self.host.end_load(lease)
+        for lease in [lease for lease, (deadline, _) in self._loans.items() if deadline < now]:
+            self._end(lease, self._loans.pop(lease)[1])
 
     def close(self) -> None:
         self._stop.set()
@@ -321,6 +344,60 @@ class PeerServer:
             self._auth.stop()
         if self.nixl is not None:
             self.nixl.close()
+
+
+class _Read:
+    """One chunk wanted from a holder, into a reserved slot of this agent's pool."""
+
+    def __init__(self, key: bytes, out: memoryview) -> None:
+        self.key = key
+        self.out = out
+        self.header: ChunkHeader | None = None
+        self.error: CorruptChunk | None = None
+        self.resolved = False  # answered: arrived, absent, busy or corrupt
+
+    def fail(self, error: CorruptChunk) -> None:
+        self.error, self.resolved = error, True
+
+    def verify(self, header: ChunkHeader) -> None:
+        try:
+            check_payload(header, self.out)
+            self.header = header
+        except CorruptChunk as exc:
+            self.error = exc
+        self.resolved = True
+
+
+class _Batches:
+    """Reads from one holder, coalesced: those arriving while a batch is in flight go
+    together in the next one (a group commit), so a request's parallel promotions cost a
+    few round trips and transfers instead of one each."""
+
+    def __init__(self, run: Callable[[list[_Read]], None]) -> None:
+        self._run = run
+        self._cond = threading.Condition()
+        self._queue: list[_Read] = []
+        self._busy = False
+        self._done: set[int] = set()
+
+    def submit(self, read: _Read) -> None:
+        """Returns once `read` went out in a batch (this thread's or another's)."""
+        with self._cond:
+            self._queue.append(read)
+            while self._busy and id(read) not in self._done:
+                self._cond.wait()
+            if id(read) in self._done:
+                self._done.discard(id(read))
+                return
+            self._busy = True
+            batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+        try:
+            self._run(batch)
+        finally:
+            with self._cond:
+                self._done.update(id(r) for r in batch if r is not read)
+                self._busy = False
+                self._cond.notify_all()
 
 
 class _Connection:
@@ -385,6 +462,7 @@ class PeerTier(SecondaryTier):
         self._advertised: dict[str, bytes] = {}  # peer endpoint -> its NIXL metadata
         self._nixl_names: dict[str, str] = {}
         self._counts: dict[str, int] = {}
+        self._batches: dict[tuple[str, str], _Batches] = {}
 
     def _peer(self, endpoint: str) -> _Connection:
         """One of a few connections to the peer, in turn: promotions of one request run in
@@ -466,13 +544,27 @@ class PeerTier(SecondaryTier):
             if not self.exists(namespace, [key])[0]:
                 return None
             holder = self._holder[(namespace, key)]
+        with self._lock:
+            batches = self._batches.get((holder, namespace))
+            if batches is None:
+                batches = self._batches[(holder, namespace)] = _Batches(
+                    lambda batch: self._read_batch(holder, namespace, batch)
+                )
+        read = _Read(key, out)
+        batches.submit(read)
+        if read.error is not None:
+            raise read.error
+        return read.header
+
+    def _read_batch(self, holder: str, namespace: str, batch: list[_Read]) -> None:
         remote = self._nixl_agent(holder)
         if remote:
             try:
-                return self._read_nixl(holder, remote, namespace, key, out)
+                self._read_nixl(holder, remote, namespace, batch)
+                return
             except _NixlFailed:
                 self._count("nixl_failures")
-        return self._read_zmq(holder, namespace, key, out)
+        self._read_zmq(holder, namespace, [r for r in batch if not r.resolved])
 
     def _nixl_agent(self, endpoint: str) -> str:
         """The holder's NIXL agent name ("" when either side has no NIXL), learnt from its
@@ -491,62 +583,74 @@ class PeerTier(SecondaryTier):
             known = self._nixl_names[endpoint] = nixl.add_remote(metadata) if metadata else ""
         return known
 
-    def _read_nixl(
-        self, holder: str, remote: str, namespace: str, key: bytes, out: memoryview
-    ) -> ChunkHeader | None:
-        """A READ from the holder's lent slot."""
+    def _read_nixl(self, holder: str, remote: str, namespace: str, batch: list[_Read]) -> None:
+        """The batch's chunks READ from the holder's lent slots in one NIXL transfer."""
         assert self.server.nixl is not None
         connection = self._peer(holder)
-        reply = connection.call(Lend(namespace, key))
-        if not self._answered(reply, namespace, key):
-            return None
-        assert reply is not None
-        lent = _decode_lent(reply[0])
-        if lent.agent != remote:  # the holder restarted: learn its new NIXL agent
-            self._advertised.pop(holder, None)
-            self._forget_nixl(holder)
-            remote = self._nixl_agent(holder)
+        reply = connection.call(Lend(namespace, [r.key for r in batch]))
+        if reply is None:
+            self._resolve(namespace, batch, [ABSENT] * len(batch))
+            return
+        loan = _decode_loan(reply[0])
+        moving: list[tuple[_Read, Lent, ChunkHeader]] = []
         try:
-            if lent.agent != remote:
+            if loan.agent != remote:  # the holder restarted: learn its new NIXL agent
+                self._advertised.pop(holder, None)
+                self._forget_nixl(holder)
                 raise _NixlFailed
-            header = check_blob(lent.header, namespace, key, len(out))
-            moved = self.server.nixl.read(
-                remote, lent.address, out, header.length, self.config.timeout_seconds
-            )
+            for read, chunk in zip(batch, loan.chunks, strict=True):
+                if isinstance(chunk, str):
+                    self._resolve(namespace, [read], [chunk])
+                    continue
+                try:
+                    header = check_blob(chunk.header, namespace, read.key, len(read.out))
+                except CorruptChunk as exc:
+                    read.fail(exc)
+                    continue
+                moving.append((read, chunk, header))
+            reads = [(chunk.address, read.out, header.length) for read, chunk, header in moving]
+            if reads and not self.server.nixl.read(remote, reads, self.config.timeout_seconds):
+                raise _NixlFailed
         finally:
-            connection.send(Return(lent.lease))
-        if not moved:
-            raise _NixlFailed
-        check_payload(header, out)
-        self._count("nixl_reads")
-        return header
+            if loan.lease:
+                connection.send(Return(loan.lease))
+        for read, _, header in moving:
+            read.verify(header)
+        self._count("nixl_reads", len(moving))
 
-    def _read_zmq(
-        self, holder: str, namespace: str, key: bytes, out: memoryview
-    ) -> ChunkHeader | None:
-        reply = self._peer(holder).call(Fetch(namespace, key))
-        if not self._answered(reply, namespace, key) or reply is None or len(reply) != 2:
-            return None
-        header = check_blob(reply[0], namespace, key, len(out))
-        out[: header.length] = reply[1][: header.length]
-        check_payload(header, out)
-        self._count("zmq_reads")
-        return header
+    def _read_zmq(self, holder: str, namespace: str, batch: list[_Read]) -> None:
+        reply = self._peer(holder).call(Fetch(namespace, [r.key for r in batch]))
+        statuses = _decode_statuses(reply[0]) if reply else [ABSENT] * len(batch)
+        frames = iter(reply[1:] if reply else [])
+        sent = 0
+        for read, status in zip(batch, statuses, strict=True):
+            if status != SENT:
+                self._resolve(namespace, [read], [status])
+                continue
+            header_page, payload = next(frames), next(frames)
+            try:
+                header = check_blob(header_page, namespace, read.key, len(read.out))
+            except CorruptChunk as exc:
+                read.fail(exc)
+                continue
+            read.out[: header.length] = payload[: header.length]
+            read.verify(header)
+            sent += 1
+        self._count("zmq_reads", sent)
 
-    def _answered(self, reply: list[memoryview] | None, namespace: str, key: bytes) -> bool:
-        """Whether the holder sent the chunk; a busy holder keeps its place, one that did
-        not answer or no longer holds the key is forgotten as this key's holder."""
-        if reply and reply[0] == BUSY:
-            self._count("busy")
-            return False
-        if not reply or not reply[0]:
-            self._holder.pop((namespace, key), None)
-            return False
-        return True
+    def _resolve(self, namespace: str, reads: list[_Read], statuses: list[str]) -> None:
+        """Reads that found no chunk: a busy holder keeps its place, one that did not
+        answer or no longer holds the key is forgotten as this key's holder."""
+        for read, status in zip(reads, statuses, strict=True):
+            read.resolved = True
+            if status == BUSY:
+                self._count("busy")
+            else:
+                self._holder.pop((namespace, read.key), None)
 
-    def _count(self, what: str) -> None:
+    def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
-            self._counts[what] = self._counts.get(what, 0) + 1
+            self._counts[what] = self._counts.get(what, 0) + n
 
     def counters(self) -> dict[str, int]:
         with self._lock:
