@@ -17,13 +17,19 @@ from kvtier.agent.config import AgentConfig
 
 class AgentProcess:
     def __init__(
-        self, config: AgentConfig, log_path: Path | None = None, python: str | None = None
+        self,
+        config: AgentConfig,
+        log_path: Path | None = None,
+        python: str | None = None,
+        prefix: list[str] | None = None,
     ) -> None:
         """`python` runs the agent (default: this interpreter); the vLLM tests pass the
-        kvtier environment's, as the agent runs in its own container in a cluster."""
+        kvtier environment's, as the agent runs in its own container in a cluster. `prefix`
+        is a command the agent runs under, e.g. `ip netns exec NODE` for a node of its own."""
         self.config = config
         self.log_path = log_path or config.run_dir / "agent.log"
         self.python = python or sys.executable
+        self.prefix = prefix or []
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> AgentProcess:
@@ -32,7 +38,7 @@ class AgentProcess:
         config_path.write_text(self.config.to_yaml())
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [self.python, "-m", "kvtier.agent", "--config", str(config_path)],
+                [*self.prefix, self.python, "-m", "kvtier.agent", "--config", str(config_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -4,19 +4,25 @@ loopback, finding each other through a shared registry directory, authenticated 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.tiers.peer import home_of, write_keys
 from tests.conftest import ROW
-from tests.helpers import NS, key, row
+from tests.helpers import NS, key, row, wait_settled
 from tests.test_agent_tiers import load_exact, wait_for
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
@@ -28,11 +34,14 @@ def node_config(
     node: str,
     keys: Path | None,
     registry: str = "registry",
+    host: dict[str, Any] | None = None,
+    **peer_settings: Any,
 ) -> AgentConfig:
     peer: dict[str, Any] = {
         "bind": "tcp://127.0.0.1:*",
         "timeoutSeconds": 0.5,
         "membershipSeconds": 1.0,
+        **peer_settings,
     }
     if keys is not None:
         peer["curveKeyDir"] = str(keys)
@@ -51,7 +60,13 @@ def node_config(
             "tierBudgetSeconds": 1.5,
         },
         poolDir=str(scratch / f"pool-{node}"),
+        **(host or {}),
     )
+
+
+def peer_stats(client: AgentClient) -> dict[str, Any]:
+    stats: dict[str, Any] = client.stats()["tiers"][0]
+    return stats
 
 
 def test_chunks_stored_on_one_node_are_loaded_on_another(
@@ -111,15 +126,26 @@ def test_rendezvous_homes_move_only_for_changed_members() -> None:
     assert 100 < len(moved) < 320  # about a tenth of the keys
 
 
+@pytest.mark.parametrize("data_path", ["nixl", "zmq"])
 def test_direct_mode_fetches_from_the_named_source(
-    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+    make_config: Callable[..., AgentConfig],
+    agent_factory: StartAgent,
+    scratch: Path,
+    data_path: str,
 ) -> None:
     """P/D: the decode side's request names the prefill side's agent; no directory (the two
-    agents do not even share a registry) is needed."""
-    prefill = agent_factory(node_config(make_config, scratch, "prefill", None, "reg-prefill"))
-    decode_config = node_config(make_config, scratch, "decode", None, "reg-decode")
+    agents do not even share a registry) is needed. Both data paths move the bytes."""
+    prefill = agent_factory(
+        node_config(make_config, scratch, "prefill", None, "reg-prefill", dataPath=data_path)
+    )
+    decode_config = node_config(
+        make_config, scratch, "decode", None, "reg-decode", dataPath=data_path
+    )
     agent_factory(decode_config)
-    source = json.loads((scratch / "reg-prefill" / "prefill.json").read_text())["endpoint"]
+    record = json.loads((scratch / "reg-prefill" / "prefill.json").read_text())
+    source = record["endpoint"]
+    # The agent advertises its NIXL agent with its report, where peers read it.
+    assert bool(record["nixlMetadata"]) == (data_path == "nixl")
     with AgentClient(prefill.config.endpoint) as producer:
         producer.store(NS, [key(i) for i in range(4)], [row(i, ROW) for i in range(4)])
         wait_for(lambda: producer.stats()["tiers"][0].get("writebacks") == 4)
@@ -130,3 +156,143 @@ def test_direct_mode_fetches_from_the_named_source(
         outs = [np.zeros(ROW, np.uint8) for _ in range(4)]
         assert consumer.load_into(NS, keys[:4], outs, source=source) == [True] * 4
         assert all(np.array_equal(o, row(i, ROW)) for i, o in enumerate(outs))
+        assert peer_stats(consumer).get(f"{data_path}_reads") == 4
+    with AgentClient(prefill.config.endpoint) as producer:
+        wait_for(lambda: peer_stats(producer)["lent"] == 0)  # every loan given back
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_restarted_holder_is_read_through_its_new_nixl_agent(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    """The holder restarts at the same address with a new NIXL agent (its pool survives):
+    the first transfer after it notices the change and falls back to ZMQ, the next ones use
+    NIXL again; every chunk arrives intact."""
+    holder_config = node_config(
+        make_config, scratch, "node-a", None, dataPath="nixl", bind=f"tcp://127.0.0.1:{free_port()}"
+    )
+    holder = agent_factory(holder_config)
+    consumer_config = node_config(make_config, scratch, "node-b", None, dataPath="nixl")
+    agent_factory(consumer_config)
+    wait_for(lambda: len(list((scratch / "registry").glob("*.json"))) == 2)
+    time.sleep(1.2)
+    with AgentClient(holder_config.endpoint) as producer:
+        producer.store(NS, [key(i) for i in range(6)], [row(i, ROW) for i in range(6)])
+        wait_for(lambda: producer.stats()["tiers"][0].get("writebacks") == 6)
+    with AgentClient(consumer_config.endpoint) as consumer:
+        wait_for(lambda: consumer.lookup(NS, [key(i) for i in range(6)]).prefix == 6)
+        assert load_exact(consumer, [0, 1]) == [True, True]
+        holder.stop()
+        holder.start()
+        assert load_exact(consumer, [2, 3]) == [True, True]
+        assert load_exact(consumer, [4, 5]) == [True, True]
+        stats = peer_stats(consumer)
+    assert stats["nixl_failures"] == 1
+    assert stats["zmq_reads"] >= 1  # the transfer that found the old agent gone
+    assert stats["zmq_reads"] + stats["nixl_reads"] == 6
+    assert stats["nixl_reads"] >= 4
+
+
+def test_an_overloaded_holder_sheds_load_instead_of_queueing(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    """One node holds what two others want at once, and lends at most 4 slots at a time:
+    requests past that are refused at once (misses for the askers, who recompute), nothing
+    wrong arrives, nothing waits for the holder, and once the rush is over every chunk can
+    be fetched."""
+    holder_config = node_config(make_config, scratch, "hot", None, maxLentChunks=4)
+    agent_factory(holder_config)
+    askers = [node_config(make_config, scratch, f"asker-{i}", None) for i in range(2)]
+    for config in askers:
+        agent_factory(config)
+    wait_for(lambda: len(list((scratch / "registry").glob("*.json"))) == 3)
+    time.sleep(1.2)
+    ids = list(range(24))
+    with AgentClient(holder_config.endpoint) as producer:
+        producer.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
+        wait_for(lambda: peer_stats(producer).get("writebacks") == len(ids))
+
+    def rush(config: AgentConfig, worker: int) -> tuple[list[bool], list[bool], float]:
+        mine = ids[worker % 2 :: 2] + ids[(worker + 1) % 2 :: 2]
+        with AgentClient(config.endpoint) as client:
+            wait_for(lambda: client.lookup(NS, [key(i) for i in mine]).prefix == len(mine))
+            outs = [np.zeros(ROW, np.uint8) for _ in mine]
+            started = time.monotonic()
+            loaded = client.load_into(NS, [key(i) for i in mine], outs)
+            elapsed = time.monotonic() - started
+        exact = [np.array_equal(o, row(i, ROW)) for i, o in zip(mine, outs, strict=True)]
+        return loaded, exact, elapsed
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(rush, askers * 2, range(4)))
+    for loaded, exact, elapsed in results:
+        assert all(e for ok, e in zip(loaded, exact, strict=True) if ok)  # nothing wrong
+        assert elapsed < 5  # refused at once, not queued until the budget ran out
+    with AgentClient(holder_config.endpoint) as producer:
+        assert peer_stats(producer)["refused"] > 0
+        wait_for(lambda: peer_stats(producer)["lent"] == 0)
+    for config in askers:  # the rush is over: what was refused is served now
+        with AgentClient(config.endpoint) as client:
+            assert wait_for(lambda client=client: all(load_exact(client, ids)))
+            wait_settled(client)
+
+
+def test_a_holder_killed_while_transfers_run_leaves_misses_and_no_leases(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    """The asker keeps fetching (its small pool evicts, so every round goes to the peer)
+    while the holder is frozen (a partition), thawed, then SIGKILLed: every load returns
+    within the asker's budget, every chunk it reports loaded is intact, and no lease is
+    left behind."""
+    holder = agent_factory(node_config(make_config, scratch, "holder", None))
+    small = {"capacity": 12 * (ROW + 4096) + 4096}
+    asker_config = node_config(make_config, scratch, "asker", None, host=small)
+    agent_factory(asker_config)
+    wait_for(lambda: len(list((scratch / "registry").glob("*.json"))) == 2)
+    time.sleep(1.2)
+    ids = list(range(30))  # the write-backs pin at most half the pool at once
+    with AgentClient(holder.config.endpoint) as producer:
+        producer.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
+        wait_for(lambda: peer_stats(producer).get("writebacks") == len(ids))
+    stop = threading.Event()
+    rounds: list[tuple[int, int, float]] = []  # (loaded, wrong, seconds)
+
+    def keep_fetching() -> None:
+        with AgentClient(asker_config.endpoint) as client:
+            while not stop.is_set():
+                for start in range(0, len(ids), 6):
+                    batch = ids[start : start + 6]
+                    outs = [np.zeros(ROW, np.uint8) for _ in batch]
+                    began = time.monotonic()
+                    loaded = client.load_into(NS, [key(i) for i in batch], outs)
+                    wrong = sum(
+                        ok and not np.array_equal(o, row(i, ROW))
+                        for i, ok, o in zip(batch, loaded, outs, strict=True)
+                    )
+                    rounds.append((sum(loaded), wrong, time.monotonic() - began))
+
+    fetcher = threading.Thread(target=keep_fetching)
+    fetcher.start()
+    try:
+        wait_for(lambda: sum(r[0] for r in rounds) >= 60)
+        os.kill(holder.pid, signal.SIGSTOP)  # partitioned: answers nothing
+        time.sleep(2)
+        os.kill(holder.pid, signal.SIGCONT)
+        time.sleep(0.5)
+        holder.kill()  # dies with transfers in flight
+        after = len(rounds)
+        wait_for(lambda: len(rounds) > after + 6)
+    finally:
+        stop.set()
+        fetcher.join(timeout=30)
+    assert not fetcher.is_alive()
+    assert sum(r[1] for r in rounds) == 0  # nothing wrong was ever served
+    assert max(r[2] for r in rounds) < 5  # budget 1.5 s: no load waited on the dead peer
+    assert sum(r[0] for r in rounds[after + 3 :]) < 6 * len(rounds[after + 3 :])
+    with AgentClient(asker_config.endpoint) as client:
+        wait_settled(client)
