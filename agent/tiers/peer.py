@@ -52,6 +52,7 @@ _RID = struct.Struct("<Q")
 HOLDER_CACHE = 65536
 CONNECTIONS_PER_PEER = 4
 MAX_BATCH = 64  # chunks asked of one holder in one request
+NIXL_RETRY_SECONDS = 60.0
 SENT, ABSENT, BUSY = "sent", "absent", "busy"  # BUSY: the holder lends too many slots already
 
 
@@ -461,6 +462,7 @@ class PeerTier(SecondaryTier):
         self._members_at = 0.0
         self._advertised: dict[str, bytes] = {}  # peer endpoint -> its NIXL metadata
         self._nixl_names: dict[str, str] = {}
+        self._nixl_retry: dict[str, float] = {}  # endpoint -> when to try NIXL again
         self._counts: dict[str, int] = {}
         self._batches: dict[tuple[str, str], _Batches] = {}
 
@@ -567,10 +569,11 @@ class PeerTier(SecondaryTier):
         self._read_zmq(holder, namespace, [r for r in batch if not r.resolved])
 
     def _nixl_agent(self, endpoint: str) -> str:
-        """The holder's NIXL agent name ("" when either side has no NIXL), learnt from its
-        registry record or, failing that, by asking it once."""
+        """The holder's NIXL agent name ("" when either side has no NIXL or it cannot be
+        reached over NIXL), learnt from its registry record or, failing that, by asking it
+        once. An agent NIXL could not connect to is retried after `NIXL_RETRY_SECONDS`."""
         nixl = self.server.nixl
-        if nixl is None:
+        if nixl is None or time.monotonic() < self._nixl_retry.get(endpoint, 0.0):
             return ""
         known = self._nixl_names.get(endpoint)
         if known is None:
@@ -580,7 +583,14 @@ class PeerTier(SecondaryTier):
                 if reply is None:
                     return ""
                 metadata = bytes(reply[0])
-            known = self._nixl_names[endpoint] = nixl.add_remote(metadata) if metadata else ""
+            try:
+                known = nixl.add_remote(metadata) if metadata else ""
+            except Exception as exc:  # NIXL's backend cannot reach it: ZMQ it is
+                log.warning("peer %s unreachable over NIXL, using ZMQ: %s", endpoint, exc)
+                self._count("nixl_failures")
+                self._nixl_retry[endpoint] = time.monotonic() + NIXL_RETRY_SECONDS
+                return ""
+            self._nixl_names[endpoint] = known
         return known
 
     def _read_nixl(self, holder: str, remote: str, namespace: str, batch: list[_Read]) -> None:
@@ -609,7 +619,14 @@ class PeerTier(SecondaryTier):
                     continue
                 moving.append((read, chunk, header))
             reads = [(chunk.address, read.out, header.length) for read, chunk, header in moving]
-            if reads and not self.server.nixl.read(remote, reads, self.config.timeout_seconds):
+            try:
+                moved = not reads or self.server.nixl.read(
+                    remote, reads, self.config.timeout_seconds
+                )
+            except Exception as exc:  # NIXL refused the transfer (its backend lost the peer)
+                log.warning("NIXL transfer from %s failed: %s", holder, exc)
+                moved = False
+            if not moved:
                 raise _NixlFailed
         finally:
             if loan.lease:
