@@ -416,5 +416,13 @@ def check_runtime(config: AgentConfig) -> None:
         if t.filesystem is not None
     ]
     problems = [p for field, path in checks if (p := _check_writable_dir(field, path))]
+    from kvtier.agent.tiers import nixl_path  # loads NIXL, which only this check needs here
+
+    problems += [
+        f"tiers[{i}].peer.dataPath is 'nixl' but NIXL is not installed: install nixl-cu12 "
+        "(`make .venv` does) or set dataPath to 'auto' or 'zmq'"
+        for i, t in enumerate(config.tiers)
+        if t.peer is not None and t.peer.data_path == "nixl" and not nixl_path.available()
+    ]
     if problems:
         raise ConfigError(problems)

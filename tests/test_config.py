@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from kvtier.agent.config import ConfigError, check_runtime, load_config, parse_config
+from kvtier.agent.tiers import nixl_path
 from kvtier.agent.units import parse_bytes
 from tests.conftest import config_data
 
@@ -93,6 +94,25 @@ def test_unwritable_run_dir_refused(scratch: Path) -> None:
     with pytest.raises(ConfigError) as info:
         check_runtime(parse_config(data))
     assert "runDir" in str(info.value)
+
+
+def test_nixl_data_path_without_nixl_refused(
+    scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NIXL absent (as on an image built without it): asking for it is refused by name, and
+    `auto` still starts (over ZMQ)."""
+    monkeypatch.setattr(nixl_path, "_nixl", None)
+    data = config_data(scratch)
+    data["report"] = {"target": "file", "directory": str(scratch / "registry")}
+    data["tiers"] = [{"name": "peers", "peer": {"dataPath": "nixl"}}]
+    with pytest.raises(ConfigError) as info:
+        check_runtime(parse_config(data))
+    assert "tiers[0].peer.dataPath is 'nixl' but NIXL is not installed" in str(info.value)
+    data["tiers"][0]["peer"]["dataPath"] = "auto"
+    check_runtime(parse_config(data))
+    assert "tiers[0].peer.dataPath" in refuse(
+        {**data, "tiers": [{"name": "p", "peer": {"dataPath": "rdma"}}]}
+    )
 
 
 def test_not_yaml_mapping(tmp_path: Path) -> None:

@@ -330,3 +330,31 @@ def test_peer_tier_gets_its_port_keys_and_address() -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["curve-peers"]["secret"]["secretName"] == "kv-curve"
     kubernetes_validate.validate(by_kind(children)["DaemonSet"], "1.33", strict=True)
+
+
+@pytest.mark.parametrize(
+    ("transports", "data_path"),
+    [
+        (None, "auto"),
+        (["nixl", "zmq"], "auto"),
+        (["zmq", "nixl"], "auto"),
+        (["nixl"], "nixl"),
+        (["zmq"], "zmq"),
+    ],
+)
+def test_peer_transports_choose_the_agents_data_path(
+    transports: list[str] | None, data_path: str
+) -> None:
+    resource = tier()
+    peer: dict[str, Any] = {"maxLentChunks": 32}
+    if transports is not None:
+        peer["transports"] = transports
+    resource["spec"]["tiers"] = [{"name": "peers", "peer": peer}]
+    config = parse_config(
+        yaml.safe_load(
+            by_kind(build_children(resource, SETTINGS))["ConfigMap"]["data"]["agent.yaml"]
+        )
+    )
+    assert config.tiers[0].peer is not None
+    assert config.tiers[0].peer.data_path == data_path
+    assert config.tiers[0].peer.max_lent_chunks == 32

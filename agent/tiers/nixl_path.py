@@ -35,10 +35,6 @@ def _load_nixl() -> Any | None:
 _nixl = _load_nixl()
 
 
-class NixlUnavailable(RuntimeError):
-    """`dataPath: nixl` was asked for but NIXL cannot be loaded here."""
-
-
 def available() -> bool:
     return _nixl is not None
 
@@ -52,11 +48,8 @@ class NixlPath:
     """One NIXL agent for this kvtier agent, with its pool registered."""
 
     def __init__(self, name: str, pool: PoolMap) -> None:
-        if _nixl is None:
-            raise NixlUnavailable(
-                "tiers[].peer.dataPath is 'nixl' but the nixl package is not installed; "
-                "install nixl-cu12 (see docs/configuration.md) or set dataPath to 'auto' or 'zmq'"
-            )
+        if _nixl is None:  # check_runtime refuses `dataPath: nixl` without NIXL first
+            raise RuntimeError("NIXL is not installed")
         os.environ.setdefault("UCX_LOG_LEVEL", "error")
         self.name = name
         self._agent: Any = _nixl.nixl_agent(name, _nixl.nixl_agent_config(backends=["UCX"]))
