@@ -110,9 +110,8 @@ def test_nixl_data_path_without_nixl_refused(
     assert "tiers[0].peer.dataPath is 'nixl' but NIXL is not installed" in str(info.value)
     data["tiers"][0]["peer"]["dataPath"] = "auto"
     check_runtime(parse_config(data))
-    assert "tiers[0].peer.dataPath" in refuse(
-        {**data, "tiers": [{"name": "p", "peer": {"dataPath": "rdma"}}]}
-    )
+    data["tiers"][0]["peer"]["dataPath"] = "rdma"
+    assert "tiers.0.peer.dataPath: Input should be 'auto', 'nixl' or 'zmq'" in refuse(data)
 
 
 def test_not_yaml_mapping(tmp_path: Path) -> None:
