@@ -10,12 +10,15 @@ COPY agent agent
 COPY operator operator
 COPY bench bench
 RUN pip wheel --no-cache-dir --wheel-dir /wheels -r requirements/base.txt \
- && pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+ && pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
+ && pip download --no-cache-dir --no-deps --dest /wheels-nixl -r requirements/nixl.txt
 
 FROM python:3.11-slim
 COPY --from=build /wheels /wheels
+COPY --from=build /wheels-nixl /wheels-nixl
 RUN pip install --no-cache-dir --no-index /wheels/*.whl \
- && rm -rf /wheels \
+ && pip install --no-cache-dir --no-index --no-deps /wheels-nixl/*.whl \
+ && rm -rf /wheels /wheels-nixl \
  && mkdir -p /opt/kvtier/plugin \
  && cp -r "$(python -c 'import kvtier, os; print(os.path.dirname(kvtier.__file__))')" \
           /opt/kvtier/plugin/ \

@@ -14,10 +14,11 @@ VLLM_STAMP := $(VLLM_VENV)/.kvtier-installed
 
 .PHONY: demo test lint bench e2e clean vllm-env
 
-$(STAMP): pyproject.toml requirements/base.txt requirements/dev.txt tools/fetch_helm.py
+$(STAMP): pyproject.toml requirements/base.txt requirements/dev.txt requirements/nixl.txt tools/fetch_helm.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements/dev.txt
+	$(PY) -m pip install -q --no-deps -r requirements/nixl.txt
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) tools/fetch_helm.py $(VENV)/bin
 	touch $@
