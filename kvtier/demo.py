@@ -1,4 +1,6 @@
-"""`kvtier demo`: one agent, several client processes replaying multi-turn chats.
+"""`kvtier demo`: one agent, several client processes replaying multi-turn chats; then a
+second node served by the first one's agent (`demo_peers`), and two vLLM engines sharing an
+agent (`demo_vllm`) when a vLLM environment is given.
 
 Each client acts like an engine serving its share of conversations: per turn it looks up the
 prompt's chunks, loads the hit prefix through the node's pool (checking every byte),
@@ -284,8 +286,11 @@ def render(report: DemoReport, console: Console) -> None:
 
 
 def run_demo(options: DemoOptions) -> int:
+    from kvtier import demo_peers
+
     console = Console(stderr=options.as_json)
     report = run_workload(options, console)
+    second = demo_peers.run_second_node()
     if options.plot is not None:
         from kvtier.plot import plot_demo
 
@@ -301,13 +306,16 @@ def run_demo(options: DemoOptions) -> int:
             "summary": report.summary(),
             "clients": [asdict(c) for c in report.clients],
             "agent": report.agent,
+            "second_node": asdict(second),
         }
         if engines is not None:
             document["vllm"] = engines
         print(json.dumps(document, indent=2))
     else:
         render(report, console)
+        demo_peers.render(second, console)
         if engines is not None:
             demo_vllm.render(engines, console)
     hits_b = engines["engines"][1]["external_hit_tokens"] if engines else 1
-    return 1 if report.summary()["corrupt_loads"] or not hits_b else 0
+    corrupt = report.summary()["corrupt_loads"] + second.corrupt_loads
+    return 1 if corrupt or not hits_b or not second.chunks_from_peer else 0

@@ -84,6 +84,12 @@ def test_demo_json_reports_hits_and_cleans_up(tmp_path: Path) -> None:
     assert summary["bytes_loaded"] == report["agent"]["slot_bytes"] * sum(
         c["chunks_loaded"] for c in report["clients"]
     )
+    # The second node loads, verified, what the first node's agent holds: every chunk it
+    # did not already hold came through the peer tier.
+    second = report["second_node"]
+    assert second["corrupt_loads"] == 0 and second["chunks_from_peer"] > 0
+    assert second["chunks_loaded"] == second["chunks_from_peer"] + second["chunks_local"]
+    assert second["nixl_reads"] + second["zmq_reads"] == second["chunks_from_peer"]
     after = {p for p in os.listdir("/dev/shm") if p.startswith("kvtier-demo-")}
     assert after - before == set()  # the demo's pool and socket directory are gone
     assert not fs_dir.exists()
