@@ -53,6 +53,7 @@ HOLDER_CACHE = 65536
 CONNECTIONS_PER_PEER = 4
 MAX_BATCH = 64  # chunks asked of one holder in one request
 NIXL_RETRY_SECONDS = 60.0
+GATHER_SECONDS = 0.0003  # how long a batch waits for more reads to join, while they do
 SENT, ABSENT, BUSY = "sent", "absent", "busy"  # BUSY: the holder lends too many slots already
 
 
@@ -391,6 +392,12 @@ class _Batches:
                 self._done.discard(id(read))
                 return
             self._busy = True
+            # The promotions of one request start within a millisecond or two of each
+            # other: wait while more of them join, then take them all in one batch.
+            size = 0
+            while size < len(self._queue) < MAX_BATCH:
+                size = len(self._queue)
+                self._cond.wait(GATHER_SECONDS)
             batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
         try:
             self._run(batch)
