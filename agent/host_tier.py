@@ -213,38 +213,48 @@ class HostTier:
             return self.index.missing(namespace, keys)
 
     def promote(
-        self, namespace: str, key: bytes, fill: Callable[[memoryview], ChunkHeader | None]
-    ) -> bool:
-        """Bring a chunk into the pool from elsewhere: reserve a slot, let `fill` read and
-        verify the bytes into it (no lock held meanwhile), then publish it as sealed.
-        Returns whether the chunk is now in the pool."""
+        self,
+        namespace: str,
+        keys: list[bytes],
+        fill: Callable[[list[bytes], list[memoryview]], list[ChunkHeader | None]],
+    ) -> list[bool]:
+        """Bring chunks into the pool from elsewhere: reserve a slot per key, let `fill`
+        read and verify the bytes of those keys into those slots (no lock held meanwhile),
+        then publish each filled one as sealed. Returns which keys are now in the pool."""
+        held = [False] * len(keys)
+        reserved: list[tuple[int, int, int]] = []  # (position in keys, lease, slot)
+        deadline = time.monotonic() + self.lease_seconds
         with self.lock:
-            lease, slots = self.index.allocate(
-                PROMOTER,
-                namespace,
-                [key],
-                self.geometry.payload_bytes,
-                time.monotonic() + self.lease_seconds,
-            )
-            if slots[0] >= 0:
-                self._write_header(slots[0], ChunkHeader(namespace, b"", 0, 0, SlotState.WRITING))
-        if slots[0] == EXISTS:
-            return True
-        if slots[0] < 0:
-            return False
-        header: ChunkHeader | None = None
+            for i, key in enumerate(keys):
+                lease, slots = self.index.allocate(
+                    PROMOTER, namespace, [key], self.geometry.payload_bytes, deadline
+                )
+                if slots[0] >= 0:
+                    writing = ChunkHeader(namespace, b"", 0, 0, SlotState.WRITING)
+                    self._write_header(slots[0], writing)
+                    reserved.append((i, lease, slots[0]))
+                else:
+                    held[i] = slots[0] == EXISTS
+        if not reserved:
+            return held
+        headers: list[ChunkHeader | None] = [None] * len(reserved)
         try:
-            header = fill(self.pool.payload(slots[0]).data)
+            headers = fill(
+                [keys[i] for i, _, _ in reserved],
+                [self.pool.payload(slot).data for _, _, slot in reserved],
+            )
         finally:
             with self.lock:
-                if header is None:
-                    self.index.abort(lease)
-                else:
+                for (i, lease, _), header in zip(reserved, headers, strict=True):
+                    if header is None:
+                        self.index.abort(lease)
+                        continue
                     for entry in self.index.commit(lease):
                         entry.length = header.length
                         entry.checksum = header.checksum
                         self._write_header(entry.slot, entry.header())
-        return header is not None
+                    held[i] = True
+        return held
 
     def _reindex(self) -> None:
         """Rebuild the index from the pool after a restart, serving only verified chunks."""

@@ -180,44 +180,55 @@ class SecondaryTiers:
         return where
 
     def promote(self, namespace: str, keys: list[bytes]) -> dict[bytes, int]:
-        """Copy chunks into the pool from the first tier that has them, in parallel;
-        returns the tier position each key came from (absent keys are left out)."""
+        """Copy chunks into the pool from the first tier that has them, tier by tier: a tier
+        that reads in batches gets every key still missing in one call, the others one read
+        per key, in parallel. Returns the tier position each key came from (absent keys are
+        left out)."""
         deadline = time.monotonic() + self.budget
-        futures = {k: self._io.submit(self._promote_one, namespace, k) for k in keys}
-        wait_futures(futures.values(), timeout=max(0.0, deadline - time.monotonic()))
-        return {
-            k: f.result()
-            for k, f in futures.items()
-            if f.done() and not f.exception() and f.result() != MISS
-        }
-
-    def _promote_one(self, namespace: str, key: bytes) -> int:
+        found: dict[bytes, int] = {}
+        todo = list(keys)
         for position, tier in enumerate(self.tiers, start=1):
-            started = time.perf_counter()
+            if not todo or time.monotonic() >= deadline:
+                break
+            batches = [todo] if tier.backend.reads_in_batches else [[key] for key in todo]
+            jobs = [self._io.submit(self._promote_batch, tier, namespace, b) for b in batches]
+            wait_futures(jobs, timeout=max(0.0, deadline - time.monotonic()))
+            for job in jobs:
+                if job.done() and job.exception() is None:
+                    found.update((key, position) for key in job.result())
+            todo = [key for key in todo if key not in found]
+        return found
 
-            def fill(out: memoryview, tier: _Tier = tier) -> ChunkHeader | None:
-                return tier.backend.read_into(namespace, key, out)
+    def _promote_batch(self, tier: _Tier, namespace: str, keys: list[bytes]) -> list[bytes]:
+        """Read `keys` from one tier into the pool; returns those now there."""
+        started = time.perf_counter()
 
-            try:
-                promoted = self.host.promote(namespace, key, fill)
-            except CorruptChunk as exc:
-                tier.count("corrupt")
-                self.metrics.corrupt.labels(tier.name).inc()
-                log.warning("tier %s: dropped a corrupt chunk: %s", tier.name, exc)
-                continue
-            except Exception as exc:
-                tier.count("read_errors")
-                self.metrics.tier_errors.labels(tier.name, "read").inc()
-                log.warning("tier %s: read failed: %s", tier.name, exc)
-                continue
-            if promoted:
-                tier.count("promotions")
-                self.metrics.promotions.labels(tier.name).inc()
-                self.metrics.tier_seconds.labels(tier.name, "read").observe(
-                    time.perf_counter() - started
-                )
-                return position
-        return MISS
+        def fill(wanted: list[bytes], outs: list[memoryview]) -> list[ChunkHeader | None]:
+            headers: list[ChunkHeader | None] = []
+            for result in tier.backend.read_many(namespace, wanted, outs):
+                if isinstance(result, CorruptChunk):
+                    tier.count("corrupt")
+                    self.metrics.corrupt.labels(tier.name).inc()
+                    log.warning("tier %s: dropped a corrupt chunk: %s", tier.name, result)
+                    result = None
+                headers.append(result)
+            return headers
+
+        try:
+            held = self.host.promote(namespace, keys, fill)
+        except Exception as exc:
+            tier.count("read_errors")
+            self.metrics.tier_errors.labels(tier.name, "read").inc()
+            log.warning("tier %s: read failed: %s", tier.name, exc)
+            return []
+        promoted = [key for key, ok in zip(keys, held, strict=True) if ok]
+        if promoted:
+            tier.count("promotions", len(promoted))
+            self.metrics.promotions.labels(tier.name).inc(len(promoted))
+            self.metrics.tier_seconds.labels(tier.name, "read").observe(
+                time.perf_counter() - started
+            )
+        return promoted
 
     def _timed(self, tier: _Tier, op: str, deadline: float, fn: Any, *args: Any) -> Any | None:
         """Run one tier call on the I/O pool within the deadline; None on error or timeout."""

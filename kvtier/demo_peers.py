@@ -18,6 +18,7 @@ from rich.table import Table
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig, scratch_config
+from kvtier.agent.pool import Bytes
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.units import format_bytes
 from kvtier.demo import NAMESPACE, ROW_BYTES
@@ -82,7 +83,7 @@ def run_second_node(conversations: int = 3, turns: int = 4) -> PeerReport:
                 _wait(lambda: engine_a.stats()["tiers"][0].get("writebacks", 0) >= stored)
             started = time.perf_counter()
             with AgentClient(b.endpoint) as engine_b:
-                buffers: list[np.ndarray] = []
+                buffers: list[Bytes] = []
                 for turn in chats:
                     keys = chunk_keys(turn.prompt, shape.chunk_tokens)
                     found = engine_b.lookup(NAMESPACE, keys)

@@ -80,6 +80,21 @@ class SecondaryTier(ABC):
     def read_into(self, namespace: str, key: bytes, out: memoryview) -> ChunkHeader | None:
         """Read a chunk's payload into `out` and verify it; None when absent."""
 
+    reads_in_batches = False  # whether read_many beats one read_into per key in parallel
+
+    def read_many(
+        self, namespace: str, keys: list[bytes], outs: list[memoryview]
+    ) -> list[ChunkHeader | CorruptChunk | None]:
+        """Several chunks at once: per key its header, the CorruptChunk it failed with, or
+        None when absent. Tiers that gain from batching override it."""
+        results: list[ChunkHeader | CorruptChunk | None] = []
+        for key, out in zip(keys, outs, strict=True):
+            try:
+                results.append(self.read_into(namespace, key, out))
+            except CorruptChunk as exc:
+                results.append(exc)
+        return results
+
     @abstractmethod
     def usage(self) -> TierUsage: ...
 

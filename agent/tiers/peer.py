@@ -26,7 +26,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -52,8 +52,8 @@ _RID = struct.Struct("<Q")
 HOLDER_CACHE = 65536
 CONNECTIONS_PER_PEER = 4
 MAX_BATCH = 64  # chunks asked of one holder in one request
+ZMQ_BATCH = 8
 NIXL_RETRY_SECONDS = 60.0
-GATHER_SECONDS = 0.0003  # how long a batch waits for more reads to join, while they do
 SENT, ABSENT, BUSY = "sent", "absent", "busy"  # BUSY: the holder lends too many slots already
 
 
@@ -370,44 +370,6 @@ class _Read:
         self.resolved = True
 
 
-class _Batches:
-    """Reads from one holder, coalesced: those arriving while a batch is in flight go
-    together in the next one (a group commit), so a request's parallel promotions cost a
-    few round trips and transfers instead of one each."""
-
-    def __init__(self, run: Callable[[list[_Read]], None]) -> None:
-        self._run = run
-        self._cond = threading.Condition()
-        self._queue: list[_Read] = []
-        self._busy = False
-        self._done: set[int] = set()
-
-    def submit(self, read: _Read) -> None:
-        """Returns once `read` went out in a batch (this thread's or another's)."""
-        with self._cond:
-            self._queue.append(read)
-            while self._busy and id(read) not in self._done:
-                self._cond.wait()
-            if id(read) in self._done:
-                self._done.discard(id(read))
-                return
-            self._busy = True
-            # The promotions of one request start within a millisecond or two of each
-            # other: wait while more of them join, then take them all in one batch.
-            size = 0
-            while size < len(self._queue) < MAX_BATCH:
-                size = len(self._queue)
-                self._cond.wait(GATHER_SECONDS)
-            batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
-        try:
-            self._run(batch)
-        finally:
-            with self._cond:
-                self._done.update(id(r) for r in batch if r is not read)
-                self._busy = False
-                self._cond.notify_all()
-
-
 class _Connection:
     """A request/reply channel to one peer, shared by threads (one request at a time)."""
 
@@ -471,7 +433,7 @@ class PeerTier(SecondaryTier):
         self._nixl_names: dict[str, str] = {}
         self._nixl_retry: dict[str, float] = {}  # endpoint -> when to try NIXL again
         self._counts: dict[str, int] = {}
-        self._batches: dict[tuple[str, str], _Batches] = {}
+        self._fetchers = ThreadPoolExecutor(8, thread_name_prefix="kvtier-peer-fetch")
 
     def _peer(self, endpoint: str) -> _Connection:
         """One of a few connections to the peer, in turn: promotions of one request run in
@@ -547,25 +509,42 @@ class PeerTier(SecondaryTier):
             self._holder.popitem(last=False)
         return found
 
-    def read_into(self, namespace: str, key: bytes, out: memoryview) -> ChunkHeader | None:
-        holder = self._holder.get((namespace, key))
-        if holder is None:
-            if not self.exists(namespace, [key])[0]:
-                return None
-            holder = self._holder[(namespace, key)]
-        with self._lock:
-            batches = self._batches.get((holder, namespace))
-            if batches is None:
-                batches = self._batches[(holder, namespace)] = _Batches(
-                    lambda batch: self._read_batch(holder, namespace, batch)
-                )
-        read = _Read(key, out)
-        batches.submit(read)
-        if read.error is not None:
-            raise read.error
-        return read.header
+    reads_in_batches = True
 
-    def _read_batch(self, holder: str, namespace: str, batch: list[_Read]) -> None:
+    def read_into(self, namespace: str, key: bytes, out: memoryview) -> ChunkHeader | None:
+        result = self.read_many(namespace, [key], [out])[0]
+        if isinstance(result, CorruptChunk):
+            raise result
+        return result
+
+    def read_many(
+        self, namespace: str, keys: list[bytes], outs: list[memoryview]
+    ) -> list[ChunkHeader | CorruptChunk | None]:
+        """One request and one transfer per holder (per batch of chunks), batches in
+        parallel; keys whose holder is not known yet are asked of their homes first."""
+        unknown = [key for key in keys if (namespace, key) not in self._holder]
+        if unknown:
+            self.exists(namespace, unknown)
+        reads = [_Read(key, out) for key, out in zip(keys, outs, strict=True)]
+        batches: list[tuple[str, list[_Read]]] = []
+        by_holder: dict[str, list[_Read]] = {}
+        for read in reads:
+            holder = self._holder.get((namespace, read.key))
+            if holder is not None:
+                by_holder.setdefault(holder, []).append(read)
+        for holder, mine in by_holder.items():
+            # One NIXL transfer moves a whole batch; over ZMQ, smaller batches on parallel
+            # connections overlap one's copy and checksum with the next one's bytes.
+            size = MAX_BATCH if self._nixl_agent(holder) else ZMQ_BATCH
+            batches += [(holder, mine[i : i + size]) for i in range(0, len(mine), size)]
+        if len(batches) == 1:
+            self._read_batch(namespace, *batches[0])
+        else:
+            for job in [self._fetchers.submit(self._read_batch, namespace, *b) for b in batches]:
+                job.result()
+        return [read.error or read.header for read in reads]
+
+    def _read_batch(self, namespace: str, holder: str, batch: list[_Read]) -> None:
         remote = self._nixl_agent(holder)
         if remote:
             try:
@@ -695,3 +674,6 @@ class PeerTier(SecondaryTier):
                 self.server.directory.forget(endpoint)
                 self._forget_nixl(endpoint)
         return 0
+
+    def close(self) -> None:
+        self._fetchers.shutdown(wait=False, cancel_futures=True)
