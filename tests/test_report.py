@@ -9,8 +9,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvtier.agent.config import ReportConfig
-from kvtier.agent.report import FileRegistry, Reporter, build_report
+from kvtier.agent.report import FileRegistry, KubernetesRegistry, Reporter, build_report
+from tests.kube_api import KubeAPI
 
 STATS: dict[str, Any] = {
     "used_bytes": 3 << 20,
@@ -64,3 +67,40 @@ def test_changes_are_published_at_most_every_min_interval(tmp_path: Path) -> Non
     publishes, last = run_reporter(tmp_path, lambda: {**STATS, "lookups": next(counter)}, 1.0)
     assert publishes <= 1.0 / 0.05 + 2
     assert last["lookups"] > 0
+
+
+def test_a_restarted_agent_updates_its_kvcachenode_endpoint_and_nixl_metadata(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the emulated API server: the agent that replaces a node's previous one finds its
+    KVCacheNode (409 on create) and rewrites the peer endpoint and NIXL metadata, which is
+    what the other agents then read."""
+    with KubeAPI(tmp_path) as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+        config = ReportConfig.model_validate(
+            {"target": "kubernetes", "namespace": "default", "tier": "llama", "node": "gpu-1"}
+        )
+        for endpoint, metadata in (
+            ("tcp://10.0.0.1:5557", b"old"),
+            ("tcp://10.0.0.9:5557", b"new"),
+        ):
+            registry = KubernetesRegistry(config, "gpu-1")
+            registry.endpoint, registry.nixl = endpoint, metadata
+            registry.publish({"heartbeat": "2026-11-29T10:00:00Z"})
+        (member,) = KubernetesRegistry(config, "gpu-2").members()
+        assert (member.node, member.endpoint, member.nixl) == (
+            "gpu-1",
+            "tcp://10.0.0.9:5557",
+            b"new",
+        )
+
+
+def test_file_registry_lists_members_with_their_nixl_metadata(tmp_path: Path) -> None:
+    a, b = FileRegistry(tmp_path, "a"), FileRegistry(tmp_path, "b")
+    a.endpoint, a.nixl = "tcp://127.0.0.1:1", b"\x00nixl-a"
+    b.endpoint = "tcp://127.0.0.1:2"  # no NIXL on this one
+    for registry in (a, b):
+        registry.publish(build_report(STATS, dt.datetime.now(dt.UTC)))
+    members = {m.node: m for m in b.members()}
+    assert members["a"].nixl == b"\x00nixl-a" and members["b"].nixl is None
+    assert members["a"].endpoint == "tcp://127.0.0.1:1"
