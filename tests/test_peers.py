@@ -336,3 +336,56 @@ def test_nodes_with_their_own_addresses_share_through_the_directory(
             assert stats.get("nixl_reads", 0) + stats["zmq_reads"] == len(ids)
             assert stats.get("read_errors", 0) == 0
             assert sorted(consumer.stats()["peers"]) == endpoints[:2]
+
+
+def test_chunks_a_holder_evicts_stop_being_found_and_stale_entries_are_misses(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    """The holder's small pool evicts what it announced: it withdraws the keys at their
+    homes, so lookups elsewhere stop reporting them. A read racing the eviction (the entry
+    still cached by the asker) is a plain miss, never a wrong chunk or an error."""
+    small = {"capacity": 12 * (ROW + 4096) + 4096}
+    holder = agent_factory(node_config(make_config, scratch, "holder", None, host=small))
+    asker_config = node_config(make_config, scratch, "asker", None)
+    agent_factory(asker_config)
+    wait_for(lambda: len(list((scratch / "registry").glob("*.json"))) == 2)
+    time.sleep(1.2)
+    first = [key(i) for i in range(6)]
+    with AgentClient(holder.config.endpoint) as producer:
+        producer.store(NS, first, [row(i, ROW) for i in range(6)])
+        wait_for(lambda: peer_stats(producer).get("writebacks") == 6)
+        with AgentClient(asker_config.endpoint) as asker:
+            assert wait_for(lambda: asker.lookup(NS, first).where == [1] * 6)
+            later = list(range(100, 112))  # fills the holder's 12 slots: the first six go
+            producer.store(NS, [key(i) for i in later], [row(i, ROW) for i in later])
+            assert producer.lookup(NS, first).where == [-1] * 6
+            assert wait_for(lambda: asker.lookup(NS, first).where == [-1] * 6)
+            stats = peer_stats(asker)
+    assert stats.get("read_errors", 0) == 0 and stats.get("corrupt", 0) == 0
+
+
+def test_a_read_of_an_entry_gone_stale_is_a_miss(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    """Direct mode names a holder that has evicted the chunk since it said it held it: the
+    loan finds it absent and the load is a miss."""
+    small = {"capacity": 12 * (ROW + 4096) + 4096}
+    holder = agent_factory(
+        node_config(make_config, scratch, "holder", None, "reg-holder", host=small)
+    )
+    asker_config = node_config(make_config, scratch, "asker", None, "reg-asker")
+    agent_factory(asker_config)
+    source = json.loads((scratch / "reg-holder" / "holder.json").read_text())["endpoint"]
+    with (
+        AgentClient(holder.config.endpoint) as producer,
+        AgentClient(asker_config.endpoint) as asker,
+    ):
+        producer.store(NS, [key(i) for i in range(4)], [row(i, ROW) for i in range(4)])
+        assert asker.lookup(NS, [key(i) for i in range(4)], source=source).where == [1] * 4
+        later = list(range(100, 112))
+        producer.store(NS, [key(i) for i in later], [row(i, ROW) for i in later])
+        started = time.monotonic()
+        outs = [np.zeros(ROW, np.uint8) for _ in range(4)]
+        assert asker.load_into(NS, [key(i) for i in range(4)], outs) == [False] * 4
+        assert time.monotonic() - started < 2
+        assert peer_stats(asker).get("read_errors", 0) == 0

@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import logging
 import os
+import random
 import secrets
 import socket
 import struct
@@ -65,6 +66,14 @@ class Announce(msgspec.Struct, tag="announce"):
     namespace: str
     keys: list[bytes]
     holder: str  # the holder's peer endpoint
+
+
+class Withdraw(msgspec.Struct, tag="withdraw"):
+    """The holder no longer holds these keys (its pool evicted them)."""
+
+    namespace: str
+    keys: list[bytes]
+    holder: str
 
 
 class WhoHas(msgspec.Struct, tag="who_has"):
@@ -113,7 +122,7 @@ class Loan(msgspec.Struct):
     chunks: list[Lent | str]  # or ABSENT / BUSY
 
 
-PeerRequest = Announce | WhoHas | Fetch | Holds | NixlHello | Lend | Return
+PeerRequest = Announce | Withdraw | WhoHas | Fetch | Holds | NixlHello | Lend | Return
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(PeerRequest).decode
 _decode_loan = msgspec.msgpack.Decoder(Loan).decode
@@ -168,19 +177,43 @@ class Directory:
             for key in keys:
                 self._holders.setdefault((namespace, key), {})[holder] = expiry
 
+    def withdraw(self, namespace: str, keys: list[bytes], holder: str) -> None:
+        with self._lock:
+            for key in keys:
+                holders = self._holders.get((namespace, key))
+                if holders is not None:
+                    holders.pop(holder, None)
+                    if not holders:
+                        del self._holders[(namespace, key)]
+
     def holders(self, namespace: str, keys: list[bytes]) -> list[str]:
+        """A live holder per key ("" for none), chosen at random among several, so the
+        askers of a popular chunk spread over the nodes that hold it."""
         now = time.monotonic()
         found = []
         with self._lock:
             for key in keys:
-                live = {h: t for h, t in self._holders.get((namespace, key), {}).items() if t > now}
-                found.append(next(iter(live), ""))
+                live = [h for h, t in self._holders.get((namespace, key), {}).items() if t > now]
+                found.append(random.choice(live) if live else "")
         return found
 
     def forget(self, holder: str) -> None:
         with self._lock:
             for holders in self._holders.values():
                 holders.pop(holder, None)
+
+    def expire(self) -> int:
+        """Drop the entries no live announcement backs; returns how many keys went."""
+        now = time.monotonic()
+        with self._lock:
+            gone = [
+                chunk
+                for chunk, holders in self._holders.items()
+                if all(t <= now for t in holders.values())
+            ]
+            for chunk in gone:
+                del self._holders[chunk]
+        return len(gone)
 
 
 class PeerServer:
@@ -252,6 +285,8 @@ class PeerServer:
         """The reply to a request; None for one-way messages."""
         if isinstance(request, Announce):
             self.directory.announce(request.namespace, request.keys, request.holder)
+        elif isinstance(request, Withdraw):
+            self.directory.withdraw(request.namespace, request.keys, request.holder)
         elif isinstance(request, WhoHas):
             return _encode(self.directory.holders(request.namespace, request.keys))
         elif isinstance(request, Holds):
@@ -425,8 +460,10 @@ class PeerTier(SecondaryTier):
         self._connections: dict[str, list[_Connection]] = {}
         self._turn = 0
         self._lock = threading.Lock()
-        # Where recently found keys live, bounded: only the next read needs it.
+        # Where recently found keys live, bounded: only the next read needs it; and the keys
+        # direct-mode sources said they hold, which no home knows about.
         self._holder: OrderedDict[tuple[str, bytes], str] = OrderedDict()
+        self._direct: OrderedDict[tuple[str, bytes], str] = OrderedDict()
         self._members: list[str] = [self.me]
         self._members_at = 0.0
         self._advertised: dict[str, bytes] = {}  # peer endpoint -> its NIXL metadata
@@ -434,6 +471,8 @@ class PeerTier(SecondaryTier):
         self._nixl_retry: dict[str, float] = {}  # endpoint -> when to try NIXL again
         self._counts: dict[str, int] = {}
         self._fetchers = ThreadPoolExecutor(8, thread_name_prefix="kvtier-peer-fetch")
+        self._evictions_seen: dict[str, int] = {}  # namespace -> event seq withdrawn up to
+        self._expired_at = time.monotonic()
 
     def _peer(self, endpoint: str) -> _Connection:
         """One of a few connections to the peer, in turn: promotions of one request run in
@@ -470,11 +509,37 @@ class PeerTier(SecondaryTier):
 
     def write(self, header: ChunkHeader, payload: memoryview) -> None:
         """Tell the key's home that this agent holds the chunk; no bytes move."""
-        home = home_of(header.key, self.live_members())
-        if home == self.me:
-            self.server.directory.announce(header.namespace, [header.key], self.me)
-        else:
-            self._peer(home).send(Announce(header.namespace, [header.key], self.me))
+        self._evictions_seen.setdefault(header.namespace, 0)
+        self._tell_homes(header.namespace, [header.key], Announce)
+
+    def _tell_homes(
+        self, namespace: str, keys: list[bytes], what: type[Announce] | type[Withdraw]
+    ) -> None:
+        """Announce (or withdraw) this agent as a holder of `keys`: one message per home."""
+        members = self.live_members()
+        by_home: dict[str, list[bytes]] = {}
+        for key in keys:
+            by_home.setdefault(home_of(key, members), []).append(key)
+        for home, batch in by_home.items():
+            if home != self.me:
+                self._peer(home).send(what(namespace, batch, self.me))
+            elif what is Announce:
+                self.server.directory.announce(namespace, batch, self.me)
+            else:
+                self.server.directory.withdraw(namespace, batch, self.me)
+
+    def _withdraw_evicted(self) -> None:
+        """Tell the homes about chunks the pool evicted since last time, so lookups stop
+        sending askers here for them (the entries would expire anyway, later)."""
+        host = self.server.host
+        for namespace, seen in list(self._evictions_seen.items()):
+            with host.lock:
+                batch = host.index.events.since(namespace, seen)
+            self._evictions_seen[namespace] = batch.seq
+            if batch.evicted:
+                gone = host.missing(namespace, batch.evicted)  # not stored again since
+                if gone:
+                    self._tell_homes(namespace, gone, Withdraw)
 
     def ask_source(self, source: str, namespace: str, keys: list[bytes]) -> None:
         """Direct mode: remember `source` as the holder of the keys it says it holds, so
@@ -485,10 +550,14 @@ class PeerTier(SecondaryTier):
         if reply:
             for key, held in zip(keys, msgspec.msgpack.decode(reply[0]), strict=True):
                 if held:
-                    self._holder[(namespace, key)] = source
+                    self._holder[(namespace, key)] = self._direct[(namespace, key)] = source
+            while len(self._direct) > HOLDER_CACHE:
+                self._direct.popitem(last=False)
 
     def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
-        found = [(namespace, key) in self._holder for key in keys]  # known holders first
+        """Keys a direct-mode source holds, then the homes asked for the others (always: a
+        holder that evicted a chunk has withdrawn it there)."""
+        found = [(namespace, key) in self._direct for key in keys]
         members = self.live_members()
         by_home: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
@@ -505,6 +574,8 @@ class PeerTier(SecondaryTier):
                 if holder and holder != self.me:
                     self._holder[(namespace, keys[i])] = holder
                     found[i] = True
+                else:
+                    self._holder.pop((namespace, keys[i]), None)
         while len(self._holder) > HOLDER_CACHE:
             self._holder.popitem(last=False)
         return found
@@ -650,6 +721,7 @@ class PeerTier(SecondaryTier):
                 self._count("busy")
             else:
                 self._holder.pop((namespace, read.key), None)
+                self._direct.pop((namespace, read.key), None)
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -673,6 +745,11 @@ class PeerTier(SecondaryTier):
             if endpoint not in live:
                 self.server.directory.forget(endpoint)
                 self._forget_nixl(endpoint)
+        self._withdraw_evicted()
+        now = time.monotonic()
+        if now - self._expired_at > self.config.announce_ttl_seconds / 4:
+            self.server.directory.expire()
+            self._expired_at = now
         return 0
 
     def close(self) -> None:
