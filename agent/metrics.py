@@ -94,6 +94,28 @@ class AgentMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.peer_chunks = Counter(
+            "kvtier_peer_chunks",
+            "Chunks fetched from other agents, by data path (nixl, zmq).",
+            ["path"],
+            registry=r,
+        )
+        self.peer_nixl_failures = Counter(
+            "kvtier_peer_nixl_failures",
+            "NIXL connections or transfers that failed (the chunks came over ZMQ).",
+            registry=r,
+        )
+        self.peer_busy = Counter(
+            "kvtier_peer_busy", "Chunks busy holders refused to lend to this agent.", registry=r
+        )
+        self.peer_refused = Counter(
+            "kvtier_peer_refused",
+            "Chunks this agent refused to lend, its maxLentChunks being reached.",
+            registry=r,
+        )
+        self.peer_lent = Gauge(
+            "kvtier_peer_lent_slots", "Pool slots lent to other agents right now.", registry=r
+        )
         self.request_seconds = Histogram(
             "kvtier_request_seconds",
             "Time the agent spent on a control request.",

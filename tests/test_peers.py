@@ -25,6 +25,7 @@ from kvtier.agent.tiers.peer import home_of, write_keys
 from tests import netns
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled
+from tests.test_agent import scrape
 from tests.test_agent_tiers import load_exact, wait_for
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
@@ -159,6 +160,8 @@ def test_direct_mode_fetches_from_the_named_source(
         assert consumer.load_into(NS, keys[:4], outs, source=source) == [True] * 4
         assert all(np.array_equal(o, row(i, ROW)) for i, o in enumerate(outs))
         assert peer_stats(consumer).get(f"{data_path}_reads") == 4
+        metrics = scrape(consumer.stats()["metrics_port"])
+        assert metrics[f'kvtier_peer_chunks_total{{path="{data_path}"}}'] == 4
     with AgentClient(prefill.config.endpoint) as producer:
         wait_for(lambda: peer_stats(producer)["lent"] == 0)  # every loan given back
 

@@ -250,6 +250,7 @@ class PeerServer:
         self._sending: list[tuple[zmq.MessageTracker, int, int]] = []  # (tracker, lease, slots)
         self._lent = 0
         self.refused = 0
+        host.metrics.peer_lent.set_function(self.lent)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvtier-peers", daemon=True)
         self._thread.start()
@@ -343,6 +344,7 @@ class PeerServer:
         room = max(0, self.config.max_lent_chunks - self._lent)
         asked, refused = keys[:room], len(keys) - min(room, len(keys))
         self.refused += refused
+        self.host.metrics.peer_refused.inc(refused)
         chunks: list[tuple[int, ChunkHeader] | str] = []
         lease = 0
         if asked:
@@ -726,6 +728,13 @@ class PeerTier(SecondaryTier):
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
             self._counts[what] = self._counts.get(what, 0) + n
+        metrics = self.server.host.metrics
+        if what.endswith("_reads"):
+            metrics.peer_chunks.labels(what.removesuffix("_reads")).inc(n)
+        elif what == "nixl_failures":
+            metrics.peer_nixl_failures.inc(n)
+        elif what == "busy":
+            metrics.peer_busy.inc(n)
 
     def counters(self) -> dict[str, int]:
         with self._lock:
