@@ -26,6 +26,8 @@ METRICS = {
     "kvtier_tier_used_bytes",
     "kvtier_store_bytes_total",
     "kvtier_request_seconds_bucket",
+    "kvtier_peer_chunks_total",
+    "kvtier_peer_lent_slots",
 }
 
 VALUE_SETS: dict[str, list[str]] = {
