@@ -30,7 +30,8 @@ from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.report import Reporter, make_registry
 from kvtier.agent.secondary import MISS, SecondaryTiers
 from kvtier.agent.tiers import SecondaryTier
-from kvtier.agent.tiers.peer import PeerServer, PeerTier
+from kvtier.agent.tiers.peer import PeerTier
+from kvtier.agent.tiers.peer_server import PeerServer
 
 log = logging.getLogger("kvtier.agent")
 

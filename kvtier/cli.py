@@ -34,6 +34,22 @@ def _agent(args: argparse.Namespace) -> int:
     return 0
 
 
+def _peer_keys(args: argparse.Namespace) -> int:
+    from kvtier.agent.tiers.peer_wire import write_keys
+
+    if (args.directory / "secret.key").exists():
+        print(f"{args.directory}/secret.key exists; not overwriting it", file=sys.stderr)
+        return 2
+    write_keys(args.directory)
+    print(
+        f"wrote {args.directory}/public.key and secret.key; store them as the Secret the "
+        "tier's peer.curveKeySecret names:\n"
+        f"  kubectl create secret generic kvtier-curve --from-file={args.directory}/public.key "
+        f"--from-file={args.directory}/secret.key"
+    )
+    return 0
+
+
 def _vllm_config(args: argparse.Namespace) -> int:
     from kvtier.agent.config import ConfigError, load_config
     from kvtier.agent.transfer_config import build_kv_transfer_config, kv_transfer_config_arg
@@ -139,6 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--compact", action="store_true", help="one line, ready for --kv-transfer-config"
     )
     vllm_config.set_defaults(func=_vllm_config)
+
+    peer_keys = sub.add_parser(
+        "peer-keys",
+        help="write a new CURVE key pair for the peer tier",
+        description="Write the cluster's CURVE key pair (public.key, secret.key, Z85) that "
+        "agents of a tier authenticate each other with; refuses to overwrite a secret key.",
+    )
+    peer_keys.add_argument("directory", type=Path, help="where to write the two key files")
+    peer_keys.set_defaults(func=_peer_keys)
 
     demo = sub.add_parser(
         "demo",

@@ -21,7 +21,7 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*KVTIER, *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("command", [[], ["agent"], ["demo"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["agent"], ["demo"], ["bench"], ["peer-keys"]])
 def test_help(command: list[str]) -> None:
     proc = run(*command, "--help")
     assert proc.returncode == 0
@@ -138,3 +138,17 @@ def test_demo_plot_is_a_png(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_peer_keys_writes_a_matching_pair_and_never_overwrites_it(tmp_path: Path) -> None:
+    import zmq
+
+    proc = run("peer-keys", str(tmp_path / "curve"))
+    assert proc.returncode == 0, proc.stderr
+    assert "kubectl create secret generic" in proc.stdout
+    public = (tmp_path / "curve" / "public.key").read_bytes()
+    secret = (tmp_path / "curve" / "secret.key").read_bytes()
+    assert len(public) == len(secret) == 40 and zmq.curve_public(secret) == public
+    again = run("peer-keys", str(tmp_path / "curve"))
+    assert again.returncode == 2 and "not overwriting" in again.stderr
+    assert (tmp_path / "curve" / "secret.key").read_bytes() == secret

@@ -16,28 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import hashlib
 import itertools
 import logging
-import os
-import random
-import secrets
-import socket
-import struct
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import msgspec
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.config import PeerTierConfig
-from kvtier.agent.host_tier import HostTier
 from kvtier.agent.report import Member, Registry
 from kvtier.agent.tiers.base import (
     CorruptChunk,
@@ -46,343 +36,39 @@ from kvtier.agent.tiers.base import (
     check_blob,
     check_payload,
 )
-from kvtier.agent.tiers.nixl_path import NixlPath, available
+from kvtier.agent.tiers.peer_directory import home_of
+from kvtier.agent.tiers.peer_server import PeerServer
+from kvtier.agent.tiers.peer_wire import (
+    ABSENT,
+    BUSY,
+    RID,
+    SENT,
+    Announce,
+    Fetch,
+    Holds,
+    Lend,
+    Lent,
+    NixlHello,
+    Return,
+    WhoHas,
+    Withdraw,
+    decode_loan,
+    decode_statuses,
+    encode,
+    load_keys,
+    secure_client,
+)
 
 log = logging.getLogger("kvtier.agent.peers")
-_RID = struct.Struct("<Q")
 HOLDER_CACHE = 65536
 CONNECTIONS_PER_PEER = 4
 MAX_BATCH = 64  # chunks asked of one holder in one request
 ZMQ_BATCH = 8
 NIXL_RETRY_SECONDS = 60.0
-SENT, ABSENT, BUSY = "sent", "absent", "busy"  # BUSY: the holder lends too many slots already
 
 
 class _NixlFailed(Exception):
     """The NIXL transfer did not complete; the chunk is fetched over ZMQ instead."""
-
-
-class Announce(msgspec.Struct, tag="announce"):
-    namespace: str
-    keys: list[bytes]
-    holder: str  # the holder's peer endpoint
-
-
-class Withdraw(msgspec.Struct, tag="withdraw"):
-    """The holder no longer holds these keys (its pool evicted them)."""
-
-    namespace: str
-    keys: list[bytes]
-    holder: str
-
-
-class WhoHas(msgspec.Struct, tag="who_has"):
-    namespace: str
-    keys: list[bytes]
-
-
-class Fetch(msgspec.Struct, tag="fetch"):
-    """Send these chunks over ZMQ: answered with one status per key (`SENT`, `ABSENT`,
-    `BUSY`), then a header frame and a payload frame per chunk sent."""
-
-    namespace: str
-    keys: list[bytes]
-
-
-class Holds(msgspec.Struct, tag="holds"):
-    """Direct mode: which of these keys does your pool hold?"""
-
-    namespace: str
-    keys: list[bytes]
-
-
-class NixlHello(msgspec.Struct, tag="nixl_hello"):
-    """Your NIXL agent metadata, please (empty when you have none)."""
-
-
-class Lend(msgspec.Struct, tag="lend"):
-    """Lease these chunks' slots for NIXL READs; answered with a `Loan`."""
-
-    namespace: str
-    keys: list[bytes]
-
-
-class Return(msgspec.Struct, tag="return"):
-    lease: int
-
-
-class Lent(msgspec.Struct, array_like=True):
-    address: int
-    header: bytes
-
-
-class Loan(msgspec.Struct):
-    lease: int
-    agent: str  # the holder's NIXL agent: a restarted holder has a new one
-    chunks: list[Lent | str]  # or ABSENT / BUSY
-
-
-PeerRequest = Announce | Withdraw | WhoHas | Fetch | Holds | NixlHello | Lend | Return
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(PeerRequest).decode
-_decode_loan = msgspec.msgpack.Decoder(Loan).decode
-_decode_statuses = msgspec.msgpack.Decoder(list[str]).decode
-
-
-def home_of(key: bytes, members: list[str]) -> str:
-    """Rendezvous (highest random weight) hashing: the member with the highest
-    hash(member, key) is the key's home."""
-    return max(members, key=lambda m: hashlib.blake2b(m.encode() + key, digest_size=8).digest())
-
-
-def load_keys(directory: Path) -> tuple[bytes, bytes]:
-    public = (directory / "public.key").read_bytes().strip()
-    secret = (directory / "secret.key").read_bytes().strip()
-    return public, secret
-
-
-def write_keys(directory: Path) -> None:
-    """A new cluster key pair (what the operator's Secret holds)."""
-    public, secret = zmq.curve_keypair()
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "public.key").write_bytes(public)
-    (directory / "secret.key").write_bytes(secret)
-
-
-def _secure_client(sock: zmq.Socket[bytes], keys: tuple[bytes, bytes] | None) -> None:
-    if keys is not None:
-        public, secret = keys
-        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, public
-
-
-class _OnlyKey:
-    def __init__(self, public: bytes) -> None:
-        self.public = public  # Z85, as the authenticator hands client keys over
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return bool(key == self.public)
-
-
-class Directory:
-    """This agent's share of the cluster-wide index: who holds the keys homed here."""
-
-    def __init__(self, ttl: float) -> None:
-        self.ttl = ttl
-        self._lock = threading.Lock()
-        self._holders: dict[tuple[str, bytes], dict[str, float]] = {}
-
-    def announce(self, namespace: str, keys: list[bytes], holder: str) -> None:
-        expiry = time.monotonic() + self.ttl
-        with self._lock:
-            for key in keys:
-                self._holders.setdefault((namespace, key), {})[holder] = expiry
-
-    def withdraw(self, namespace: str, keys: list[bytes], holder: str) -> None:
-        with self._lock:
-            for key in keys:
-                holders = self._holders.get((namespace, key))
-                if holders is not None:
-                    holders.pop(holder, None)
-                    if not holders:
-                        del self._holders[(namespace, key)]
-
-    def holders(self, namespace: str, keys: list[bytes]) -> list[str]:
-        """A live holder per key ("" for none), chosen at random among several, so the
-        askers of a popular chunk spread over the nodes that hold it."""
-        now = time.monotonic()
-        found = []
-        with self._lock:
-            for key in keys:
-                live = [h for h, t in self._holders.get((namespace, key), {}).items() if t > now]
-                found.append(random.choice(live) if live else "")
-        return found
-
-    def forget(self, holder: str) -> None:
-        with self._lock:
-            for holders in self._holders.values():
-                holders.pop(holder, None)
-
-    def expire(self) -> int:
-        """Drop the entries no live announcement backs; returns how many keys went."""
-        now = time.monotonic()
-        with self._lock:
-            gone = [
-                chunk
-                for chunk, holders in self._holders.items()
-                if all(t <= now for t in holders.values())
-            ]
-            for chunk in gone:
-                del self._holders[chunk]
-        return len(gone)
-
-
-class PeerServer:
-    """Serves other agents: directory requests and chunks from this agent's pool."""
-
-    def __init__(self, config: PeerTierConfig, host: HostTier) -> None:
-        self.config = config
-        self.host = host
-        self.directory = Directory(config.announce_ttl_seconds)
-        self.nixl: NixlPath | None = None
-        if config.data_path == "nixl" or (config.data_path == "auto" and available()):
-            name = f"kvtier-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-            self.nixl = NixlPath(name, host.pool)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._auth: ThreadAuthenticator | None = None
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if config.curve_key_dir is not None:
-            public, secret = load_keys(config.curve_key_dir)
-            self._auth = ThreadAuthenticator(self._ctx)
-            self._auth.start()
-            # Only clients presenting the cluster's own public key (so holding its secret
-            # key, or the handshake fails) are let in.
-            self._auth.configure_curve_callback(domain="*", credentials_provider=_OnlyKey(public))
-            self._sock.curve_server = True
-            self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
-        self._sock.bind(config.bind)
-        bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if "0.0.0.0" in bound:  # listening everywhere: advertise the pod's (or host's) address
-            bound = bound.replace("0.0.0.0", os.environ.get("POD_IP") or socket.gethostname())
-        self.endpoint = config.advertise or bound
-        # Slots lent out: NIXL loans until returned (or expired), ZMQ sends until sent.
-        self._loans: dict[int, tuple[float, int]] = {}  # lease -> (deadline, slots)
-        self._sending: list[tuple[zmq.MessageTracker, int, int]] = []  # (tracker, lease, slots)
-        self._lent = 0
-        self.refused = 0
-        host.metrics.peer_lent.set_function(self.lent)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kvtier-peers", daemon=True)
-        self._thread.start()
-
-    def lent(self) -> int:
-        """Slots lent to peers right now."""
-        return self._lent
-
-    def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            ready = poller.poll(200 if not self._lent else 5)
-            self._settle()
-            if not ready:
-                continue
-            frames = self._sock.recv_multipart()
-            if len(frames) != 3:
-                continue
-            identity, rid, body = frames
-            try:
-                request = _decode(body)
-            except msgspec.DecodeError:
-                continue
-            if isinstance(request, Fetch):
-                self._send_chunks(identity, rid, request)
-                continue
-            reply = self._handle(request)
-            if reply is not None:
-                self._sock.send_multipart([identity, rid, reply])
-
-    def _handle(self, request: PeerRequest) -> bytes | None:
-        """The reply to a request; None for one-way messages."""
-        if isinstance(request, Announce):
-            self.directory.announce(request.namespace, request.keys, request.holder)
-        elif isinstance(request, Withdraw):
-            self.directory.withdraw(request.namespace, request.keys, request.holder)
-        elif isinstance(request, WhoHas):
-            return _encode(self.directory.holders(request.namespace, request.keys))
-        elif isinstance(request, Holds):
-            missing = set(self.host.missing(request.namespace, request.keys))
-            return _encode([key not in missing for key in request.keys])
-        elif isinstance(request, NixlHello):
-            return self.nixl.metadata if self.nixl is not None else b""
-        elif isinstance(request, Return):
-            loan = self._loans.pop(request.lease, None)
-            if loan is not None:
-                self._end(request.lease, loan[1])
-        elif isinstance(request, Lend):
-            return _encode(self._lend(request.namespace, request.keys))
-        return None
-
-    def _lend(self, namespace: str, keys: list[bytes]) -> Loan:
-        if self.nixl is None:
-            return Loan(0, "", [ABSENT] * len(keys))
-        lease, chunks = self._lease(namespace, keys)
-        base, geometry = self.nixl.base, self.host.pool.geometry
-        lent: list[Lent | str] = [
-            c if isinstance(c, str) else Lent(base + geometry.payload_offset(c[0]), c[1].page())
-            for c in chunks
-        ]
-        if lease:
-            slots = sum(not isinstance(c, str) for c in chunks)
-            self._loans[lease] = (time.monotonic() + 2 * self.config.timeout_seconds, slots)
-        return Loan(lease, self.nixl.name, lent)
-
-    def _send_chunks(self, identity: bytes, rid: bytes, request: Fetch) -> None:
-        lease, chunks = self._lease(request.namespace, request.keys)
-        frames: list[bytes | memoryview] = [identity, rid, b""]
-        statuses = []
-        for chunk in chunks:
-            if isinstance(chunk, str):
-                statuses.append(chunk)
-                continue
-            slot, header = chunk
-            statuses.append(SENT)
-            # Sent from the slot itself; the lease ends once ZMQ is done with the bytes.
-            frames += [header.page(), self.host.pool.payload(slot, header.length).data]
-        frames[2] = _encode(statuses)
-        tracker = self._sock.send_multipart(frames, copy=False, track=True)
-        if lease:
-            assert tracker is not None
-            self._sending.append((tracker, lease, statuses.count(SENT)))
-
-    def _lease(
-        self, namespace: str, keys: list[bytes]
-    ) -> tuple[int, list[tuple[int, ChunkHeader] | str]]:
-        """Lease the slots of the held chunks among `keys`, up to the lending cap: the lease
-        (0 for none) and per key (slot, header), ABSENT or BUSY. A chunk not sealed yet has
-        no checksum to send and counts as absent."""
-        room = max(0, self.config.max_lent_chunks - self._lent)
-        asked, refused = keys[:room], len(keys) - min(room, len(keys))
-        self.refused += refused
-        self.host.metrics.peer_refused.inc(refused)
-        chunks: list[tuple[int, ChunkHeader] | str] = []
-        lease = 0
-        if asked:
-            host = self.host
-            lease, slots = host.begin_load("kvtier-peer", namespace, asked)
-            with host.lock:
-                for key, slot in zip(asked, slots, strict=True):
-                    entry = host.index.get(namespace, key) if slot >= 0 else None
-                    sealed = entry is not None and entry.checksum is not None
-                    chunks.append((slot, entry.header()) if sealed and entry else ABSENT)
-            self._lent += sum(not isinstance(c, str) for c in chunks)
-        return lease, chunks + [BUSY] * refused
-
-    def _end(self, lease: int, slots: int) -> None:
-        self.host.end_load(lease)
-        self._lent -= slots
-
-    def _settle(self) -> None:
-        """End the leases of finished sends and of loans not returned in time."""
-        still = []
-        for tracker, lease, slots in self._sending:
-            if tracker.done:
-                self._end(lease, slots)
-            else:
-                still.append((tracker, lease, slots))
-        self._sending = still
-        now = time.monotonic()
-        for lease in [lease for lease, (deadline, _) in self._loans.items() if deadline < now]:
-            self._end(lease, self._loans.pop(lease)[1])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sock.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-        if self.nixl is not None:
-            self.nixl.close()
 
 
 class _Read:
@@ -422,22 +108,22 @@ class _Connection:
         if self._sock is None:
             sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            _secure_client(sock, self._keys)
+            secure_client(sock, self._keys)
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock
 
     def send(self, message: msgspec.Struct) -> None:
         with self._lock, contextlib.suppress(zmq.Again):
-            self._socket().send_multipart([b"\0" * 8, _encode(message)], flags=zmq.NOBLOCK)
+            self._socket().send_multipart([b"\0" * 8, encode(message)], flags=zmq.NOBLOCK)
 
     def call(self, message: msgspec.Struct) -> list[memoryview] | None:
         """Frames of the reply after the request id, as received (not copied); None when
         the peer did not answer."""
         with self._lock:
             sock = self._socket()
-            rid = _RID.pack(next(self._rids))
-            sock.send_multipart([rid, _encode(message)])
+            rid = RID.pack(next(self._rids))
+            sock.send_multipart([rid, encode(message)])
             while sock.poll(self._timeout_ms):
                 frames = sock.recv_multipart(copy=False)
                 if frames[0].bytes == rid:
@@ -660,7 +346,7 @@ class PeerTier(SecondaryTier):
         if reply is None:
             self._resolve(namespace, batch, [ABSENT] * len(batch))
             return
-        loan = _decode_loan(reply[0])
+        loan = decode_loan(reply[0])
         moving: list[tuple[_Read, Lent, ChunkHeader]] = []
         try:
             if loan.agent != remote:  # the holder restarted: learn its new NIXL agent
@@ -696,7 +382,7 @@ class PeerTier(SecondaryTier):
 
     def _read_zmq(self, holder: str, namespace: str, batch: list[_Read]) -> None:
         reply = self._peer(holder).call(Fetch(namespace, [r.key for r in batch]))
-        statuses = _decode_statuses(reply[0]) if reply else [ABSENT] * len(batch)
+        statuses = decode_statuses(reply[0]) if reply else [ABSENT] * len(batch)
         frames = iter(reply[1:] if reply else [])
         sent = 0
         for read, status in zip(batch, statuses, strict=True):

@@ -1,0 +1,210 @@
+"""The serving side of the peer tier: directory requests from other agents, and chunks
+lent from this agent's pool (NIXL loans, or ZMQ frames sent from the slot), at most
+`maxLentChunks` at once."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+
+import msgspec
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from kvtier.agent.chunk import ChunkHeader
+from kvtier.agent.config import PeerTierConfig
+from kvtier.agent.host_tier import HostTier
+from kvtier.agent.tiers.nixl_path import NixlPath, available
+from kvtier.agent.tiers.peer_directory import Directory
+from kvtier.agent.tiers.peer_wire import (
+    ABSENT,
+    BUSY,
+    SENT,
+    Announce,
+    Fetch,
+    Holds,
+    Lend,
+    Lent,
+    Loan,
+    NixlHello,
+    OnlyKey,
+    PeerRequest,
+    Return,
+    WhoHas,
+    Withdraw,
+    decode,
+    encode,
+    load_keys,
+)
+
+
+class PeerServer:
+    """Serves other agents: directory requests and chunks from this agent's pool."""
+
+    def __init__(self, config: PeerTierConfig, host: HostTier) -> None:
+        self.config = config
+        self.host = host
+        self.directory = Directory(config.announce_ttl_seconds)
+        self.nixl: NixlPath | None = None
+        if config.data_path == "nixl" or (config.data_path == "auto" and available()):
+            name = f"kvtier-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+            self.nixl = NixlPath(name, host.pool)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._auth: ThreadAuthenticator | None = None
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if config.curve_key_dir is not None:
+            public, secret = load_keys(config.curve_key_dir)
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            # Only clients presenting the cluster's own public key (so holding its secret
+            # key, or the handshake fails) are let in.
+            self._auth.configure_curve_callback(domain="*", credentials_provider=OnlyKey(public))
+            self._sock.curve_server = True
+            self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
+        self._sock.bind(config.bind)
+        bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if "0.0.0.0" in bound:  # listening everywhere: advertise the pod's (or host's) address
+            bound = bound.replace("0.0.0.0", os.environ.get("POD_IP") or socket.gethostname())
+        self.endpoint = config.advertise or bound
+        # Slots lent out: NIXL loans until returned (or expired), ZMQ sends until sent.
+        self._loans: dict[int, tuple[float, int]] = {}  # lease -> (deadline, slots)
+        self._sending: list[tuple[zmq.MessageTracker, int, int]] = []  # (tracker, lease, slots)
+        self._lent = 0
+        self.refused = 0
+        host.metrics.peer_lent.set_function(self.lent)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvtier-peers", daemon=True)
+        self._thread.start()
+
+    def lent(self) -> int:
+        """Slots lent to peers right now."""
+        return self._lent
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            ready = poller.poll(200 if not self._lent else 5)
+            self._settle()
+            if not ready:
+                continue
+            frames = self._sock.recv_multipart()
+            if len(frames) != 3:
+                continue
+            identity, rid, body = frames
+            try:
+                request = decode(body)
+            except msgspec.DecodeError:
+                continue
+            if isinstance(request, Fetch):
+                self._send_chunks(identity, rid, request)
+                continue
+            reply = self._handle(request)
+            if reply is not None:
+                self._sock.send_multipart([identity, rid, reply])
+
+    def _handle(self, request: PeerRequest) -> bytes | None:
+        """The reply to a request; None for one-way messages."""
+        if isinstance(request, Announce):
+            self.directory.announce(request.namespace, request.keys, request.holder)
+        elif isinstance(request, Withdraw):
+            self.directory.withdraw(request.namespace, request.keys, request.holder)
+        elif isinstance(request, WhoHas):
+            return encode(self.directory.holders(request.namespace, request.keys))
+        elif isinstance(request, Holds):
+            missing = set(self.host.missing(request.namespace, request.keys))
+            return encode([key not in missing for key in request.keys])
+        elif isinstance(request, NixlHello):
+            return self.nixl.metadata if self.nixl is not None else b""
+        elif isinstance(request, Return):
+            loan = self._loans.pop(request.lease, None)
+            if loan is not None:
+                self._end(request.lease, loan[1])
+        elif isinstance(request, Lend):
+            return encode(self._lend(request.namespace, request.keys))
+        return None
+
+    def _lend(self, namespace: str, keys: list[bytes]) -> Loan:
+        if self.nixl is None:
+            return Loan(0, "", [ABSENT] * len(keys))
+        lease, chunks = self._lease(namespace, keys)
+        base, geometry = self.nixl.base, self.host.pool.geometry
+        lent: list[Lent | str] = [
+            c if isinstance(c, str) else Lent(base + geometry.payload_offset(c[0]), c[1].page())
+            for c in chunks
+        ]
+        if lease:
+            slots = sum(not isinstance(c, str) for c in chunks)
+            self._loans[lease] = (time.monotonic() + 2 * self.config.timeout_seconds, slots)
+        return Loan(lease, self.nixl.name, lent)
+
+    def _send_chunks(self, identity: bytes, rid: bytes, request: Fetch) -> None:
+        lease, chunks = self._lease(request.namespace, request.keys)
+        frames: list[bytes | memoryview] = [identity, rid, b""]
+        statuses = []
+        for chunk in chunks:
+            if isinstance(chunk, str):
+                statuses.append(chunk)
+                continue
+            slot, header = chunk
+            statuses.append(SENT)
+            # Sent from the slot itself; the lease ends once ZMQ is done with the bytes.
+            frames += [header.page(), self.host.pool.payload(slot, header.length).data]
+        frames[2] = encode(statuses)
+        tracker = self._sock.send_multipart(frames, copy=False, track=True)
+        if lease:
+            assert tracker is not None
+            self._sending.append((tracker, lease, statuses.count(SENT)))
+
+    def _lease(
+        self, namespace: str, keys: list[bytes]
+    ) -> tuple[int, list[tuple[int, ChunkHeader] | str]]:
+        """Lease the slots of the held chunks among `keys`, up to the lending cap: the lease
+        (0 for none) and per key (slot, header), ABSENT or BUSY. A chunk not sealed yet has
+        no checksum to send and counts as absent."""
+        room = max(0, self.config.max_lent_chunks - self._lent)
+        asked, refused = keys[:room], len(keys) - min(room, len(keys))
+        self.refused += refused
+        self.host.metrics.peer_refused.inc(refused)
+        chunks: list[tuple[int, ChunkHeader] | str] = []
+        lease = 0
+        if asked:
+            host = self.host
+            lease, slots = host.begin_load("kvtier-peer", namespace, asked)
+            with host.lock:
+                for key, slot in zip(asked, slots, strict=True):
+                    entry = host.index.get(namespace, key) if slot >= 0 else None
+                    sealed = entry is not None and entry.checksum is not None
+                    chunks.append((slot, entry.header()) if sealed and entry else ABSENT)
+            self._lent += sum(not isinstance(c, str) for c in chunks)
+        return lease, chunks + [BUSY] * refused
+
+    def _end(self, lease: int, slots: int) -> None:
+        self.host.end_load(lease)
+        self._lent -= slots
+
+    def _settle(self) -> None:
+        """End the leases of finished sends and of loans not returned in time."""
+        still = []
+        for tracker, lease, slots in self._sending:
+            if tracker.done:
+                self._end(lease, slots)
+            else:
+                still.append((tracker, lease, slots))
+        self._sending = still
+        now = time.monotonic()
+        for lease in [lease for lease, (deadline, _) in self._loans.items() if deadline < now]:
+            self._end(lease, self._loans.pop(lease)[1])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self.nixl is not None:
+            self.nixl.close()
