@@ -19,6 +19,7 @@ import ssl
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from kvtier.agent.config import ReportConfig
 
 log = logging.getLogger("kvtier.agent.report")
 KVN = "/apis/kvtier.io/v1alpha1/namespaces/{namespace}/kvcachenodes"
+WATCH_IDLE_SECONDS = 330  # a watch with no event for this long is re-established
 
 
 def build_report(stats: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
@@ -186,6 +188,10 @@ class KubernetesRegistry(Registry):
             "spec": {"tier": config.tier, "node": node, "version": kvtier.__version__},
         }
         self._created = False
+        self._members: dict[str, Member] = {}
+        self._members_lock = threading.Lock()
+        self._synced = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def _request(
         self, method: str, path: str, body: Any, content_type: str = "application/json"
@@ -203,20 +209,67 @@ class KubernetesRegistry(Registry):
             return int(err.code), None
 
     def members(self) -> list[Member]:
-        code, listing = self._request("GET", self._collection, None)
-        if code != 200 or not listing:
-            return []
-        return [
-            Member(
-                item["spec"]["node"],
-                item["spec"]["endpoints"]["control"],
-                _parse_time((item.get("status") or {}).get("heartbeat")),
-                _unb64(item["spec"].get("nixlMetadata")),
-            )
-            for item in listing.get("items", [])
-            if item["spec"].get("tier") == self.tier
-            and (item["spec"].get("endpoints") or {}).get("control")
-        ]
+        """The tier's agents as a watch keeps them (started on first use): one LIST, then a
+        stream of changes, rather than a LIST of every KVCacheNode by every agent each
+        period, which a thousand nodes would make a thousand times heavier."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="kvtier-members", daemon=True)
+            self._watcher.start()
+            self._synced.wait(timeout=2)
+        with self._members_lock:
+            return list(self._members.values())
+
+    def _member(self, item: dict[str, Any]) -> Member | None:
+        spec = item.get("spec") or {}
+        control = (spec.get("endpoints") or {}).get("control")
+        if spec.get("tier") != self.tier or not control:
+            return None
+        return Member(
+            spec["node"],
+            control,
+            _parse_time((item.get("status") or {}).get("heartbeat")),
+            _unb64(spec.get("nixlMetadata")),
+        )
+
+    def _watch(self) -> None:
+        """LIST, then WATCH from the listing's version; on any error or expiry, again."""
+        selector = "labelSelector=" + urllib.parse.quote(f"kvtier.io/tier={self.tier}")
+        while True:
+            try:
+                code, listing = self._request("GET", f"{self._collection}?{selector}", None)
+                if code != 200 or not listing:
+                    raise RuntimeError(f"listing KVCacheNodes: HTTP {code}")
+                found = {}
+                for item in listing.get("items", []):
+                    if (member := self._member(item)) is not None:
+                        found[item["metadata"]["name"]] = member
+                with self._members_lock:
+                    self._members = found
+                self._synced.set()
+                version = (listing.get("metadata") or {}).get("resourceVersion", "")
+                self._follow(
+                    f"{self._collection}?{selector}&watch=1&timeoutSeconds=300"
+                    f"&resourceVersion={version}"
+                )
+            except Exception as exc:  # the API server restarts, the watch expires
+                log.debug("watching KVCacheNodes: %s", exc)
+                time.sleep(2)
+
+    def _follow(self, path: str) -> None:
+        request = urllib.request.Request(self._server + path, headers=self._headers)
+        with urllib.request.urlopen(request, timeout=WATCH_IDLE_SECONDS, context=self._ssl) as r:
+            for line in r:
+                event = json.loads(line)
+                item = event.get("object") or {}
+                name = (item.get("metadata") or {}).get("name")
+                if event.get("type") == "ERROR" or not name:
+                    return  # e.g. 410 Gone: the version is too old; list again
+                member = None if event["type"] == "DELETED" else self._member(item)
+                with self._members_lock:
+                    if member is None:
+                        self._members.pop(name, None)
+                    else:
+                        self._members[name] = member
 
     def publish(self, status: dict[str, Any]) -> None:
         if not self._created:

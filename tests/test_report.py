@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvtier.agent.config import ReportConfig
-from kvtier.agent.report import FileRegistry, KubernetesRegistry, Reporter, build_report
+from kvtier.agent.report import KVN, FileRegistry, KubernetesRegistry, Reporter, build_report
 from tests.kube_api import KubeAPI
 
 STATS: dict[str, Any] = {
@@ -104,3 +104,43 @@ def test_file_registry_lists_members_with_their_nixl_metadata(tmp_path: Path) ->
     members = {m.node: m for m in b.members()}
     assert members["a"].nixl == b"\x00nixl-a" and members["b"].nixl is None
     assert members["a"].endpoint == "tcp://127.0.0.1:1"
+
+
+def test_membership_follows_kvcachenodes_through_a_watch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent learns of agents that come, move and go from one watch on the API server
+    (not by listing every KVCacheNode each period)."""
+    with KubeAPI(tmp_path) as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+        config = ReportConfig.model_validate(
+            {"target": "kubernetes", "namespace": "default", "tier": "llama"}
+        )
+
+        def join(node: str, endpoint: str) -> None:
+            registry = KubernetesRegistry(config, node)
+            registry.endpoint = endpoint
+            registry.publish({"heartbeat": "2026-11-29T10:00:00Z"})
+
+        me = KubernetesRegistry(config, "gpu-0")
+        join("gpu-0", "tcp://10.0.0.10:5557")
+        assert [m.node for m in me.members()] == ["gpu-0"]
+
+        def endpoints() -> dict[str, str]:
+            return {m.node: m.endpoint for m in me.members()}
+
+        join("gpu-1", "tcp://10.0.0.11:5557")
+        wait_until(lambda: endpoints().get("gpu-1") == "tcp://10.0.0.11:5557")
+        join("gpu-1", "tcp://10.0.0.99:5557")  # its agent restarted elsewhere
+        wait_until(lambda: endpoints().get("gpu-1") == "tcp://10.0.0.99:5557")
+        code, _ = api.request("DELETE", f"{KVN.format(namespace='default')}/llama-gpu-1")
+        assert code == 200
+        wait_until(lambda: "gpu-1" not in endpoints())
+        assert endpoints() == {"gpu-0": "tcp://10.0.0.10:5557"}
+
+
+def wait_until(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
