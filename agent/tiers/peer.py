@@ -176,8 +176,9 @@ class PeerTier(SecondaryTier):
             return pool[self._turn % len(pool)]
 
     def live_members(self) -> list[str]:
-        """Agents with a fresh heartbeat (re-read every `membershipSeconds`: with the
-        Kubernetes registry that is one LIST per agent per period)."""
+        """Agents with a fresh heartbeat, re-read from the registry every
+        `membershipSeconds` (the Kubernetes registry answers from its watch, the file
+        registry reads the directory)."""
         now = time.monotonic()
         if now - self._members_at > self.config.membership_seconds:
             cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=3 * 10)
