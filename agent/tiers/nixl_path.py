@@ -52,7 +52,11 @@ class NixlPath:
             raise RuntimeError("NIXL is not installed")
         os.environ.setdefault("UCX_LOG_LEVEL", "error")
         self.name = name
-        self._agent: Any = _nixl.nixl_agent(name, _nixl.nixl_agent_config(backends=["UCX"]))
+        # No progress thread: NIXL's spins without pause (a core per agent, all the time).
+        # Transfers progress as their state is polled; the rest (connections being set up
+        # by peers) as the peer server calls `progress` between requests.
+        config = _nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self._agent: Any = _nixl.nixl_agent(name, config)
         self.base = int(pool.array.ctypes.data)
         self.size = int(pool.array.nbytes)
         self._registered = self._agent.register_memory([(self.base, self.size, 0, "")], "DRAM")
@@ -60,8 +64,10 @@ class NixlPath:
         self._lock = threading.Lock()
         self._known: dict[str, bytes] = {}  # remote agent name -> the metadata it was added with
 
-    def knows(self, remote: str) -> bool:
-        return remote in self._known
+    def progress(self) -> None:
+        """Let the backend handle what peers sent (connection set-up, notifications)."""
+        with self._lock:
+            self._agent.get_new_notifs()
 
     def add_remote(self, metadata: bytes) -> str:
         """Make a remote agent reachable; returns its NIXL name."""
@@ -114,6 +120,8 @@ class NixlPath:
                 break
             except Exception:  # still in flight and not abortable: wait for it to end
                 time.sleep(0.01)
+                with self._lock:
+                    self._agent.check_xfer_state(handle)  # which also moves it along
         return bool(state == "DONE")
 
     def close(self) -> None:

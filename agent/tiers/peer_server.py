@@ -88,8 +88,10 @@ class PeerServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            ready = poller.poll(200 if not self._lent else 5)
+            ready = poller.poll(5 if self._lent or self.nixl is not None else 200)
             self._settle()
+            if self.nixl is not None:
+                self.nixl.progress()
             if not ready:
                 continue
             frames = self._sock.recv_multipart()
