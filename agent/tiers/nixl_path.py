@@ -110,7 +110,7 @@ class NixlPath:
         pause = 0.00002
         while state not in ("DONE", "ERR") and time.monotonic() < deadline:
             time.sleep(pause)
-            pause = min(pause * 2, 0.002)
+            pause = min(pause * 2, 0.0005)
             with self._lock:
                 state = self._agent.check_xfer_state(handle)
         while True:
