@@ -57,7 +57,13 @@ class Agent:
                 self.registry.endpoint = self.peer_server.endpoint
                 if self.peer_server.nixl is not None:
                     self.registry.nixl = self.peer_server.nixl.metadata
-                self.peer_tier = PeerTier(tier.name, tier.peer, self.registry, self.peer_server)
+                self.peer_tier = PeerTier(
+                    tier.name,
+                    tier.peer,
+                    self.registry,
+                    self.peer_server,
+                    stale_after=3 * config.report.interval_seconds,
+                )
                 prebuilt[tier.name] = self.peer_tier
         self.tiers = (
             SecondaryTiers(

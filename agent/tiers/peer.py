@@ -137,11 +137,19 @@ class PeerTier(SecondaryTier):
     kind = "peer"
 
     def __init__(
-        self, name: str, config: PeerTierConfig, registry: Registry, server: PeerServer
+        self,
+        name: str,
+        config: PeerTierConfig,
+        registry: Registry,
+        server: PeerServer,
+        stale_after: float,
     ) -> None:
+        """`stale_after`: seconds without a heartbeat after which an agent counts as gone
+        (three of its report intervals)."""
         super().__init__(name)
         self.config = config
         self.registry = registry
+        self.stale_after = stale_after
         self.server = server
         self.me = server.endpoint
         self._keys = load_keys(config.curve_key_dir) if config.curve_key_dir else None
@@ -181,7 +189,7 @@ class PeerTier(SecondaryTier):
         registry reads the directory)."""
         now = time.monotonic()
         if now - self._members_at > self.config.membership_seconds:
-            cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=3 * 10)
+            cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=self.stale_after)
             found: list[Member] = self.registry.members()
             fresh = [m for m in found if m.heartbeat is None or m.heartbeat > cutoff]
             live = {m.endpoint for m in fresh}
