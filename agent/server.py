@@ -62,7 +62,9 @@ class Agent:
                     tier.peer,
                     self.registry,
                     self.peer_server,
-                    stale_after=3 * config.report.interval_seconds,
+                    # three missed heartbeats, and never under 30 s: heartbeats are stamped
+                    # by other nodes' clocks, in whole seconds
+                    stale_after=max(30.0, 3 * config.report.interval_seconds),
                 )
                 prebuilt[tier.name] = self.peer_tier
         self.tiers = (

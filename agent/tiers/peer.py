@@ -144,8 +144,7 @@ class PeerTier(SecondaryTier):
         server: PeerServer,
         stale_after: float,
     ) -> None:
-        """`stale_after`: seconds without a heartbeat after which an agent counts as gone
-        (three of its report intervals)."""
+        """`stale_after`: seconds without a heartbeat after which an agent counts as gone."""
         super().__init__(name)
         self.config = config
         self.registry = registry
