@@ -128,9 +128,41 @@ class _Connection:
                 frames = sock.recv_multipart(copy=False)
                 if frames[0].bytes == rid:
                     return [frame.buffer for frame in frames[1:]]
-            sock.close(linger=0)  # drop whatever arrives late
-            self._sock = None
+            self._drop()
             return None
+
+    def fetch_into(
+        self, fetch: Fetch, outs: list[memoryview]
+    ) -> tuple[list[str], list[bytes]] | None:
+        """A fetch whose payload frames are received straight into `outs` (slots reserved
+        in this agent's pool): the per-key statuses and the header pages of the chunks
+        sent; None when the peer did not answer."""
+        with self._lock:
+            sock = self._socket()
+            rid = RID.pack(next(self._rids))
+            sock.send_multipart([rid, encode(fetch)])
+            while sock.poll(self._timeout_ms):
+                if sock.recv() != rid:  # a late reply to an abandoned request
+                    while sock.rcvmore:
+                        sock.recv()
+                    continue
+                statuses = decode_statuses(sock.recv())
+                pages = []
+                for status, out in zip(statuses, outs, strict=True):
+                    if status == SENT:
+                        pages.append(sock.recv())
+                        sock.recv_into(out)  # a longer frame is cut: its checksum fails
+                while sock.rcvmore:
+                    sock.recv()
+                return statuses, pages
+            self._drop()
+            return None
+
+    def _drop(self) -> None:
+        """Close the socket, so whatever arrives late is dropped with it."""
+        assert self._sock is not None
+        self._sock.close(linger=0)
+        self._sock = None
 
 
 class PeerTier(SecondaryTier):
@@ -389,21 +421,20 @@ class PeerTier(SecondaryTier):
         self._count("nixl_reads", len(moving))
 
     def _read_zmq(self, holder: str, namespace: str, batch: list[_Read]) -> None:
-        reply = self._peer(holder).call(Fetch(namespace, [r.key for r in batch]))
-        statuses = decode_statuses(reply[0]) if reply else [ABSENT] * len(batch)
-        frames = iter(reply[1:] if reply else [])
+        fetch = Fetch(namespace, [r.key for r in batch])
+        reply = self._peer(holder).fetch_into(fetch, [r.out for r in batch])
+        statuses, pages = reply if reply else ([ABSENT] * len(batch), [])
+        arrived = iter(pages)
         sent = 0
         for read, status in zip(batch, statuses, strict=True):
             if status != SENT:
                 self._resolve(namespace, [read], [status])
                 continue
-            header_page, payload = next(frames), next(frames)
             try:
-                header = check_blob(header_page, namespace, read.key, len(read.out))
+                header = check_blob(next(arrived), namespace, read.key, len(read.out))
             except CorruptChunk as exc:
                 read.fail(exc)
                 continue
-            read.out[: header.length] = payload[: header.length]
             read.verify(header)
             sent += 1
         self._count("zmq_reads", sent)
