@@ -208,6 +208,23 @@ class HostTier:
         """The bytes of a pinned chunk, for writing it to a secondary tier."""
         return self.pool.payload(entry.slot, entry.length).data
 
+    def reverify(self, namespace: str, keys: list[bytes]) -> int:
+        """Check these chunks against their checksums again (a peer received one damaged)
+        and drop those that fail, so no client is served them; returns how many went."""
+        dropped = 0
+        with self.lock:
+            for key in keys:
+                entry = self.index.get(namespace, key)
+                if entry is None or entry.checksum is None:
+                    continue
+                if checksum(self.payload(entry)) != entry.checksum:
+                    self.index.remove(entry)
+                    self.metrics.corrupt.labels("host").inc()
+                    dropped += 1
+        if dropped:
+            log.warning("dropped %d damaged chunks a peer reported", dropped)
+        return dropped
+
     def missing(self, namespace: str, keys: list[bytes]) -> list[bytes]:
         with self.lock:
             return self.index.missing(namespace, keys)

@@ -20,13 +20,14 @@ import pytest
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
+from kvtier.agent.pool import PoolMap
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.tiers.peer_directory import home_of
 from kvtier.agent.tiers.peer_wire import write_keys
 from tests import netns
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled
-from tests.test_agent import scrape
+from tests.test_agent import find_slot, scrape
 from tests.test_agent_tiers import load_exact, wait_for
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
@@ -393,3 +394,43 @@ def test_a_read_of_an_entry_gone_stale_is_a_miss(
         assert asker.load_into(NS, [key(i) for i in range(4)], outs) == [False] * 4
         assert time.monotonic() - started < 2
         assert peer_stats(asker).get("read_errors", 0) == 0
+
+
+@pytest.mark.parametrize("data_path", ["nixl", "zmq"])
+def test_a_chunk_damaged_in_the_holders_pool_is_never_served_by_a_peer(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: StartAgent,
+    scratch: Path,
+    data_path: str,
+) -> None:
+    """One byte of a sealed chunk flips in the holder's memory: the asker verifies what
+    arrives, counts it corrupt and serves a miss (the intact neighbours arrive), and tells
+    the holder, which checks its copy and drops it."""
+    holder = agent_factory(
+        node_config(make_config, scratch, "holder", None, "reg-holder", dataPath=data_path)
+    )
+    asker_config = node_config(make_config, scratch, "asker", None, "reg-asker", dataPath=data_path)
+    agent_factory(asker_config)
+    source = json.loads((scratch / "reg-holder" / "holder.json").read_text())["endpoint"]
+    with AgentClient(holder.config.endpoint) as producer:
+        producer.store(NS, [key(i) for i in range(3)], [row(i, ROW) for i in range(3)])
+        wait_settled(producer)
+    pool = PoolMap.open(holder.config.pool_path, populate=False)
+    pool.payload(find_slot(holder.config.pool_path, key(1)))[ROW // 3] ^= 0xFF
+    with AgentClient(asker_config.endpoint) as asker:
+        keys = [key(i) for i in range(3)]
+        assert asker.lookup(NS, keys, source=source).where == [1, 1, 1]
+        outs = [np.zeros(ROW, np.uint8) for _ in range(3)]
+        assert asker.load_into(NS, keys, outs) == [True, False, True]
+        assert np.array_equal(outs[0], row(0, ROW)) and np.array_equal(outs[2], row(2, ROW))
+        stats = peer_stats(asker)
+        assert stats["corrupt"] == 1 and stats[f"{data_path}_reads"] == 2
+        # Nothing damaged entered the asker's pool, and told of it, the holder checked its
+        # copy and dropped it: no client of either node is served the bad bytes.
+        assert asker.lookup(NS, keys).where == [0, -1, 0]
+    with AgentClient(holder.config.endpoint) as producer:
+        assert wait_for(lambda: producer.lookup(NS, keys).where == [0, -1, 0])
+        assert (
+            scrape(producer.stats()["metrics_port"])['kvtier_corrupt_chunks_total{tier="host"}']
+            == 1
+        )

@@ -44,6 +44,7 @@ from kvtier.agent.tiers.peer_wire import (
     RID,
     SENT,
     Announce,
+    Damaged,
     Fetch,
     Holds,
     Lend,
@@ -344,14 +345,29 @@ class PeerTier(SecondaryTier):
         return [read.error or read.header for read in reads]
 
     def _read_batch(self, namespace: str, holder: str, batch: list[_Read]) -> None:
+        """NIXL first where both sides have it; ZMQ for what it did not settle."""
         remote = self._nixl_agent(holder)
-        if remote:
-            try:
-                self._read_nixl(holder, remote, namespace, batch)
-                return
-            except _NixlFailed:
-                self._count("nixl_failures")
-        self._read_zmq(holder, namespace, [r for r in batch if not r.resolved])
+        try:
+            if remote:
+                try:
+                    self._read_nixl(holder, remote, namespace, batch)
+                except _NixlFailed:
+                    self._count("nixl_failures")
+            unsettled = [r for r in batch if not r.resolved]
+            if unsettled:
+                self._read_zmq(holder, namespace, unsettled)
+        finally:
+            self._report_damaged(holder, namespace, batch)
+
+    def _report_damaged(self, holder: str, namespace: str, batch: list[_Read]) -> None:
+        """Chunks that arrived failing their checksums: not asked of this holder again, and
+        the holder told, so it checks its copies and stops serving bad ones."""
+        damaged = [r.key for r in batch if r.error is not None]
+        if damaged:
+            for key in damaged:
+                self._holder.pop((namespace, key), None)
+                self._direct.pop((namespace, key), None)
+            self._peer(holder).send(Damaged(namespace, damaged))
 
     def _nixl_agent(self, endpoint: str) -> str:
         """The holder's NIXL agent name ("" when either side has no NIXL or it cannot be
@@ -418,7 +434,7 @@ class PeerTier(SecondaryTier):
                 connection.send(Return(loan.lease))
         for read, _, header in moving:
             read.verify(header)
-        self._count("nixl_reads", len(moving))
+        self._count("nixl_reads", sum(read.header is not None for read, _, _ in moving))
 
     def _read_zmq(self, holder: str, namespace: str, batch: list[_Read]) -> None:
         fetch = Fetch(namespace, [r.key for r in batch])
@@ -436,7 +452,7 @@ class PeerTier(SecondaryTier):
                 read.fail(exc)
                 continue
             read.verify(header)
-            sent += 1
+            sent += read.header is not None
         self._count("zmq_reads", sent)
 
     def _resolve(self, namespace: str, reads: list[_Read], statuses: list[str]) -> None:

@@ -24,6 +24,7 @@ from kvtier.agent.tiers.peer_wire import (
     BUSY,
     SENT,
     Announce,
+    Damaged,
     Fetch,
     Holds,
     Lend,
@@ -126,6 +127,8 @@ class PeerServer:
             loan = self._loans.pop(request.lease, None)
             if loan is not None:
                 self._end(request.lease, loan[1])
+        elif isinstance(request, Damaged):
+            self.host.reverify(request.namespace, request.keys)
         elif isinstance(request, Lend):
             return encode(self._lend(request.namespace, request.keys))
         return None

@@ -28,6 +28,13 @@ class Withdraw(msgspec.Struct, tag="withdraw"):
     holder: str
 
 
+class Damaged(msgspec.Struct, tag="damaged"):
+    """These chunks arrived failing their checksums: check your copies."""
+
+    namespace: str
+    keys: list[bytes]
+
+
 class WhoHas(msgspec.Struct, tag="who_has"):
     namespace: str
     keys: list[bytes]
@@ -74,7 +81,7 @@ class Loan(msgspec.Struct):
     chunks: list[Lent | str]  # or ABSENT / BUSY
 
 
-PeerRequest = Announce | Withdraw | WhoHas | Fetch | Holds | NixlHello | Lend | Return
+PeerRequest = Announce | Withdraw | WhoHas | Fetch | Holds | NixlHello | Lend | Return | Damaged
 encode = msgspec.msgpack.Encoder().encode
 decode = msgspec.msgpack.Decoder(PeerRequest).decode
 decode_loan = msgspec.msgpack.Decoder(Loan).decode
