@@ -72,6 +72,7 @@ def build_report(stats: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         "summary": {
             "host": f"{stats['used_bytes'] >> 20}Mi/{stats['capacity_bytes'] >> 20}Mi",
             "hitRate": f"{hits / lookups:.0%}" if lookups else "-",
+            "peers": len(stats.get("peers", [])),
         },
     }
 

@@ -41,7 +41,9 @@ def test_report_from_stats() -> None:
     assert [t["name"] for t in report["tiers"]] == ["host", "shared-fs"]
     assert report["tiers"][0]["misses"] == 4
     assert report["hits"] == 8 and report["lookups"] == 10
-    assert report["summary"] == {"host": "3Mi/8Mi", "hitRate": "80%"}
+    assert report["summary"] == {"host": "3Mi/8Mi", "hitRate": "80%", "peers": 0}
+    with_peers = build_report({**STATS, "peers": ["tcp://10.0.0.2:5557"]}, dt.datetime.now(dt.UTC))
+    assert with_peers["peers"] == ["tcp://10.0.0.2:5557"] and with_peers["summary"]["peers"] == 1
     assert report["fingerprints"] == ["llama-3-8b-aa", "qwen-bb"]
 
 
