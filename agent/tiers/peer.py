@@ -340,8 +340,11 @@ class PeerTier(SecondaryTier):
         if len(batches) == 1:
             self._read_batch(namespace, *batches[0])
         else:
-            for job in [self._fetchers.submit(self._read_batch, namespace, *b) for b in batches]:
-                job.result()
+            jobs = [self._fetchers.submit(self._read_batch, namespace, *b) for b in batches]
+            for job in jobs:  # one holder failing leaves the others' chunks usable
+                if (error := job.exception()) is not None:
+                    self._count("read_errors")
+                    log.warning("peer read failed: %s", error)
         return [read.error or read.header for read in reads]
 
     def _read_batch(self, namespace: str, holder: str, batch: list[_Read]) -> None:
