@@ -343,7 +343,7 @@ class PeerTier(SecondaryTier):
             jobs = [self._fetchers.submit(self._read_batch, namespace, *b) for b in batches]
             for job in jobs:  # one holder failing leaves the others' chunks usable
                 if (error := job.exception()) is not None:
-                    self._count("read_errors")
+                    self._count("batch_errors")
                     log.warning("peer read failed: %s", error)
         return [read.error or read.header for read in reads]
 
