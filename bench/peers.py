@@ -136,7 +136,8 @@ def measure(
 
 
 def run(quick: bool) -> dict[str, Any]:
-    row, chunks, rounds = MiB, (32 if quick else 128), (5 if quick else 9)
+    # 2 MiB rows: a chunk of 16 tokens of Llama-3.1-8B (docs/sizing.md), as `bench tiers`
+    row, chunks, rounds = 2 * MiB, (32 if quick else 128), (5 if quick else 9)
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir="/dev/shm"))
     paths = ["nixl", "zmq"] if available() else ["zmq"]
     per_round: dict[str, list[float]] = {}
