@@ -62,7 +62,7 @@ class NixlPath:
         self._registered = self._agent.register_memory([(self.base, self.size, 0, "")], "DRAM")
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._lock = threading.Lock()
-        self._known: dict[str, bytes] = {}  # remote agent name -> the metadata it was added with
+        self._known: set[str] = set()  # remote agents added
 
     def progress(self) -> None:
         """Let the backend handle what peers sent (connection set-up, notifications)."""
@@ -74,12 +74,13 @@ class NixlPath:
         with self._lock:
             name = self._agent.add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
-            self._known[name] = metadata
+            self._known.add(name)
             return name
 
     def forget(self, remote: str) -> None:
         with self._lock:
-            if self._known.pop(remote, None) is not None:
+            if remote in self._known:
+                self._known.discard(remote)
                 try:
                     self._agent.remove_remote_agent(remote)
                 except Exception as exc:  # already gone from NIXL's view
@@ -125,11 +126,7 @@ class NixlPath:
         return bool(state == "DONE")
 
     def close(self) -> None:
+        for remote in list(self._known):
+            self.forget(remote)
         with self._lock:
-            for remote in list(self._known):
-                try:
-                    self._agent.remove_remote_agent(remote)
-                except Exception as exc:
-                    log.debug("removing NIXL agent %s: %s", remote, exc)
-            self._known.clear()
             self._agent.deregister_memory(self._registered)
