@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import datetime as dt
+import http.client
 import json
 import logging
 import os
@@ -113,6 +115,9 @@ class Registry(ABC):
     def members(self) -> list[Member]:
         """The agents of this tier that published a peer endpoint (this one included)."""
 
+    def close(self) -> None:  # noqa: B027 - only registries that hold connections need it
+        """Stop following the other agents."""
+
 
 class FileRegistry(Registry):
     """One JSON file per node in a shared directory: single-machine setups and tests."""
@@ -193,6 +198,8 @@ class KubernetesRegistry(Registry):
         self._members_lock = threading.Lock()
         self._synced = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._stream: http.client.HTTPConnection | None = None
+        self._closed = threading.Event()
 
     def _request(
         self, method: str, path: str, body: Any, content_type: str = "application/json"
@@ -235,7 +242,7 @@ class KubernetesRegistry(Registry):
     def _watch(self) -> None:
         """LIST, then WATCH from the listing's version; on any error or expiry, again."""
         selector = "labelSelector=" + urllib.parse.quote(f"kvtier.io/tier={self.tier}")
-        while True:
+        while not self._closed.is_set():
             try:
                 code, listing = self._request("GET", f"{self._collection}?{selector}", None)
                 if code != 200 or not listing:
@@ -254,12 +261,26 @@ class KubernetesRegistry(Registry):
                 )
             except Exception as exc:  # the API server restarts, the watch expires
                 log.debug("watching KVCacheNodes: %s", exc)
-                time.sleep(2)
+                self._closed.wait(2)
 
     def _follow(self, path: str) -> None:
-        request = urllib.request.Request(self._server + path, headers=self._headers)
-        with urllib.request.urlopen(request, timeout=WATCH_IDLE_SECONDS, context=self._ssl) as r:
-            for line in r:
+        url = urllib.parse.urlsplit(self._server)
+        conn: http.client.HTTPConnection
+        if url.scheme == "https":
+            conn = http.client.HTTPSConnection(
+                url.hostname or "", url.port, timeout=WATCH_IDLE_SECONDS, context=self._ssl
+            )
+        else:
+            conn = http.client.HTTPConnection(
+                url.hostname or "", url.port, timeout=WATCH_IDLE_SECONDS
+            )
+        self._stream = conn
+        try:
+            conn.request("GET", url.path + path, headers=self._headers)
+            response = conn.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"watching KVCacheNodes: HTTP {response.status}")
+            for line in response:
                 event = json.loads(line)
                 item = event.get("object") or {}
                 name = (item.get("metadata") or {}).get("name")
@@ -271,6 +292,18 @@ class KubernetesRegistry(Registry):
                         self._members.pop(name, None)
                     else:
                         self._members[name] = member
+        finally:
+            self._stream = None
+            conn.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        stream = self._stream
+        if stream is not None and stream.sock is not None:
+            with contextlib.suppress(OSError):  # ends the blocked read of the watch
+                stream.sock.shutdown(socket.SHUT_RDWR)
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
 
     def publish(self, status: dict[str, Any]) -> None:
         if not self._created:

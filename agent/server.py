@@ -145,6 +145,8 @@ class Agent:
     def close(self) -> None:
         if self.reporter is not None:
             self.reporter.stop()
+        if self.registry is not None:
+            self.registry.close()
         self._workers.shutdown(wait=True, cancel_futures=True)
         self._sock.close()
         self._replies.close()

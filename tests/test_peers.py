@@ -141,10 +141,10 @@ def test_direct_mode_fetches_from_the_named_source(
     """P/D: the decode side's request names the prefill side's agent; no directory (the two
     agents do not even share a registry) is needed. Both data paths move the bytes."""
     prefill = agent_factory(
-        node_config(make_config, scratch, "prefill", None, "reg-prefill", dataPath=data_path)
+        node_config(make_config, scratch, "prefill", None, "reg-prefill", **paced(data_path))
     )
     decode_config = node_config(
-        make_config, scratch, "decode", None, "reg-decode", dataPath=data_path
+        make_config, scratch, "decode", None, "reg-decode", **paced(data_path)
     )
     agent_factory(decode_config)
     record = json.loads((scratch / "reg-prefill" / "prefill.json").read_text())
@@ -158,14 +158,22 @@ def test_direct_mode_fetches_from_the_named_source(
         keys = [key(i) for i in range(5)]
         assert consumer.lookup(NS, keys).where == [-1] * 5  # unknown without the source
         assert consumer.lookup(NS, keys, source=source).where == [1, 1, 1, 1, -1]
-        outs = [np.zeros(ROW, np.uint8) for _ in range(4)]
-        assert consumer.load_into(NS, keys[:4], outs, source=source) == [True] * 4
-        assert all(np.array_equal(o, row(i, ROW)) for i, o in enumerate(outs))
-        assert peer_stats(consumer).get(f"{data_path}_reads") == 4
+        assert load_exact(consumer, [0]) == [True]  # and the connection to the source is up
+        outs = [np.zeros(ROW, np.uint8) for _ in range(3)]
+        assert consumer.load_into(NS, keys[1:4], outs, source=source) == [True] * 3
+        assert all(np.array_equal(o, row(i + 1, ROW)) for i, o in enumerate(outs))
+        moved = peer_stats(consumer)[f"{data_path}_reads"]
+        assert moved >= 3  # the first chunk may have come over ZMQ while NIXL connected
         metrics = scrape(consumer.stats()["metrics_port"])
-        assert metrics[f'kvtier_peer_chunks_total{{path="{data_path}"}}'] == 4
+        assert metrics[f'kvtier_peer_chunks_total{{path="{data_path}"}}'] == moved
     with AgentClient(prefill.config.endpoint) as producer:
         wait_for(lambda: peer_stats(producer)["lent"] == 0)  # every loan given back
+
+
+def paced(data_path: str) -> dict[str, Any]:
+    """Peer settings for tests that count which data path moved the chunks: a timeout long
+    enough that a loaded CI machine does not turn a slow NIXL transfer into a ZMQ one."""
+    return {"dataPath": data_path, "timeoutSeconds": 1.2}
 
 
 def free_port() -> int:
@@ -199,7 +207,7 @@ def test_a_restarted_holder_is_read_through_its_new_nixl_agent(
         assert load_exact(consumer, [2, 3]) == [True, True]
         assert load_exact(consumer, [4, 5]) == [True, True]
         stats = peer_stats(consumer)
-    assert stats["nixl_failures"] == 1
+    assert stats["nixl_failures"] >= 1
     assert stats["zmq_reads"] >= 1  # the transfer that found the old agent gone
     assert stats["zmq_reads"] + stats["nixl_reads"] == 6
     assert stats["nixl_reads"] >= 4
@@ -407,24 +415,26 @@ def test_a_chunk_damaged_in_the_holders_pool_is_never_served_by_a_peer(
     arrives, counts it corrupt and serves a miss (the intact neighbours arrive), and tells
     the holder, which checks its copy and drops it."""
     holder = agent_factory(
-        node_config(make_config, scratch, "holder", None, "reg-holder", dataPath=data_path)
+        node_config(make_config, scratch, "holder", None, "reg-holder", **paced(data_path))
     )
-    asker_config = node_config(make_config, scratch, "asker", None, "reg-asker", dataPath=data_path)
+    asker_config = node_config(make_config, scratch, "asker", None, "reg-asker", **paced(data_path))
     agent_factory(asker_config)
     source = json.loads((scratch / "reg-holder" / "holder.json").read_text())["endpoint"]
     with AgentClient(holder.config.endpoint) as producer:
         producer.store(NS, [key(i) for i in range(3)], [row(i, ROW) for i in range(3)])
         wait_settled(producer)
-    pool = PoolMap.open(holder.config.pool_path, populate=False)
-    pool.payload(find_slot(holder.config.pool_path, key(1)))[ROW // 3] ^= 0xFF
+    keys = [key(i) for i in range(3)]
     with AgentClient(asker_config.endpoint) as asker:
-        keys = [key(i) for i in range(3)]
         assert asker.lookup(NS, keys, source=source).where == [1, 1, 1]
-        outs = [np.zeros(ROW, np.uint8) for _ in range(3)]
-        assert asker.load_into(NS, keys, outs) == [True, False, True]
-        assert np.array_equal(outs[0], row(0, ROW)) and np.array_equal(outs[2], row(2, ROW))
+        assert load_exact(asker, [0]) == [True]  # the connection to the holder is up
+        pool = PoolMap.open(holder.config.pool_path, populate=False)
+        pool.payload(find_slot(holder.config.pool_path, key(1)))[ROW // 3] ^= 0xFF
+        before = peer_stats(asker).get(f"{data_path}_reads", 0)
+        outs = [np.zeros(ROW, np.uint8) for _ in range(2)]
+        assert asker.load_into(NS, keys[1:], outs) == [False, True]
+        assert np.array_equal(outs[1], row(2, ROW))
         stats = peer_stats(asker)
-        assert stats["corrupt"] == 1 and stats[f"{data_path}_reads"] == 2
+        assert stats["corrupt"] == 1 and stats[f"{data_path}_reads"] == before + 1
         # Nothing damaged entered the asker's pool, and told of it, the holder checked its
         # copy and dropped it: no client of either node is served the bad bytes.
         assert asker.lookup(NS, keys).where == [0, -1, 0]

@@ -89,7 +89,9 @@ def test_a_restarted_agent_updates_its_kvcachenode_endpoint_and_nixl_metadata(
             registry = KubernetesRegistry(config, "gpu-1")
             registry.endpoint, registry.nixl = endpoint, metadata
             registry.publish({"heartbeat": "2026-11-29T10:00:00Z"})
-        (member,) = KubernetesRegistry(config, "gpu-2").members()
+        other = KubernetesRegistry(config, "gpu-2")
+        (member,) = other.members()
+        other.close()
         assert (member.node, member.endpoint, member.nixl) == (
             "gpu-1",
             "tcp://10.0.0.9:5557",
@@ -139,6 +141,8 @@ def test_membership_follows_kvcachenodes_through_a_watch(
         assert code == 200
         wait_until(lambda: "gpu-1" not in endpoints())
         assert endpoints() == {"gpu-0": "tcp://10.0.0.10:5557"}
+        me.close()  # the watch ends with it
+        assert me._watcher is not None and not me._watcher.is_alive()
 
 
 def wait_until(predicate: Any, timeout: float = 10.0) -> None:

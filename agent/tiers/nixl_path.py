@@ -9,6 +9,7 @@ optional: without the package (or with `dataPath: zmq`) chunks move over ZMQ.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -37,6 +38,12 @@ _nixl = _load_nixl()
 
 def available() -> bool:
     return _nixl is not None
+
+
+def _connecting(error: Exception) -> bool:
+    """NIXL answers NOT_FOUND (when posting or checking a transfer) until the connection to
+    a newly added remote agent is set up; progressing the backend moves that along."""
+    return "NOT_FOUND" in str(error)
 
 
 def view_address(view: memoryview) -> int:
@@ -99,31 +106,64 @@ class NixlPath:
                 raise ValueError("a destination is not inside the registered pool")
             local.append((address, nbytes, 0))
             far.append((remote_address, nbytes, 0))
-        with self._lock:
-            handle = self._agent.initialize_xfer(
-                "READ",
-                self._agent.get_xfer_descs(local, "DRAM"),
-                self._agent.get_xfer_descs(far, "DRAM"),
-                remote,
-            )
-            state = self._agent.transfer(handle)
         deadline = time.monotonic() + timeout
-        pause = 0.00002
-        while state not in ("DONE", "ERR") and time.monotonic() < deadline:
-            time.sleep(pause)
-            pause = min(pause * 2, 0.0005)
-            with self._lock:
-                state = self._agent.check_xfer_state(handle)
+        while True:
+            handle, state = self._start(remote, local, far, deadline)
+            pause = 0.00002
+            try:
+                while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.0005)
+                    with self._lock:
+                        state = self._agent.check_xfer_state(handle)
+            except Exception as exc:
+                self._release(handle)
+                if not _connecting(exc) or time.monotonic() > deadline:
+                    raise
+                self.progress()
+                continue
+            self._release(handle)
+            return bool(state == "DONE")
+
+    def _release(self, handle: Any) -> None:
+        """Release a transfer; one still in flight and not abortable is waited for."""
         while True:
             try:
                 with self._lock:
                     self._agent.release_xfer_handle(handle)
-                break
-            except Exception:  # still in flight and not abortable: wait for it to end
+                return
+            except Exception:
                 time.sleep(0.01)
-                with self._lock:
+                with self._lock, contextlib.suppress(Exception):
                     self._agent.check_xfer_state(handle)  # which also moves it along
-        return bool(state == "DONE")
+
+    def _start(
+        self,
+        remote: str,
+        local: list[tuple[int, int, int]],
+        far: list[tuple[int, int, int]],
+        deadline: float,
+    ) -> tuple[Any, str]:
+        """The posted transfer's handle and first state, retried until the deadline while
+        the connection to the remote agent is still being set up."""
+        while True:
+            handle = None
+            try:
+                with self._lock:
+                    handle = self._agent.initialize_xfer(
+                        "READ",
+                        self._agent.get_xfer_descs(local, "DRAM"),
+                        self._agent.get_xfer_descs(far, "DRAM"),
+                        remote,
+                    )
+                    return handle, str(self._agent.transfer(handle))
+            except Exception as exc:
+                if handle is not None:
+                    self._release(handle)
+                if not _connecting(exc) or time.monotonic() > deadline:
+                    raise
+            self.progress()
+            time.sleep(0.001)
 
     def close(self) -> None:
         for remote in list(self._known):

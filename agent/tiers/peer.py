@@ -356,6 +356,7 @@ class PeerTier(SecondaryTier):
                     self._read_nixl(holder, remote, namespace, batch)
                 except _NixlFailed:
                     self._count("nixl_failures")
+                    self._forget_nixl(holder)  # connect afresh next time
             unsettled = [r for r in batch if not r.resolved]
             if unsettled:
                 self._read_zmq(holder, namespace, unsettled)
