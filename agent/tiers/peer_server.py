@@ -74,7 +74,6 @@ class PeerServer:
         # Slots lent out: NIXL loans until returned (or expired), ZMQ sends until sent.
         self._loans: dict[int, tuple[float, int]] = {}  # lease -> (deadline, slots)
         self._sending: list[tuple[zmq.MessageTracker, int, int]] = []  # (tracker, lease, slots)
-        self._lent = 0
         self.refused = 0
         host.metrics.peer_lent.set_function(self.lent)
         self._stop = threading.Event()
@@ -82,14 +81,15 @@ class PeerServer:
         self._thread.start()
 
     def lent(self) -> int:
-        """Slots lent to peers right now."""
-        return self._lent
+        """Slots lent to peers right now (also read by the metrics thread: copies only)."""
+        loans = list(self._loans.values())
+        return sum(n for _, n in loans) + sum(n for _, _, n in list(self._sending))
 
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            ready = poller.poll(5 if self._lent or self.nixl is not None else 200)
+            ready = poller.poll(5 if self._loans or self._sending or self.nixl else 200)
             self._settle()
             if self.nixl is not None:
                 self.nixl.progress()
@@ -124,9 +124,8 @@ class PeerServer:
         elif isinstance(request, NixlHello):
             return self.nixl.metadata if self.nixl is not None else b""
         elif isinstance(request, Return):
-            loan = self._loans.pop(request.lease, None)
-            if loan is not None:
-                self._end(request.lease, loan[1])
+            if self._loans.pop(request.lease, None) is not None:
+                self.host.end_load(request.lease)
         elif isinstance(request, Damaged):
             self.host.reverify(request.namespace, request.keys)
         elif isinstance(request, Lend):
@@ -171,7 +170,7 @@ class PeerServer:
         """Lease the slots of the held chunks among `keys`, up to the lending cap: the lease
         (0 for none) and per key (slot, header), ABSENT or BUSY. A chunk not sealed yet has
         no checksum to send and counts as absent."""
-        room = max(0, self.config.max_lent_chunks - self._lent)
+        room = max(0, self.config.max_lent_chunks - self.lent())
         asked, refused = keys[:room], len(keys) - min(room, len(keys))
         self.refused += refused
         self.host.metrics.peer_refused.inc(refused)
@@ -185,25 +184,21 @@ class PeerServer:
                     entry = host.index.get(namespace, key) if slot >= 0 else None
                     sealed = entry is not None and entry.checksum is not None
                     chunks.append((slot, entry.header()) if sealed and entry else ABSENT)
-            self._lent += sum(not isinstance(c, str) for c in chunks)
         return lease, chunks + [BUSY] * refused
-
-    def _end(self, lease: int, slots: int) -> None:
-        self.host.end_load(lease)
-        self._lent -= slots
 
     def _settle(self) -> None:
         """End the leases of finished sends and of loans not returned in time."""
         still = []
         for tracker, lease, slots in self._sending:
             if tracker.done:
-                self._end(lease, slots)
+                self.host.end_load(lease)
             else:
                 still.append((tracker, lease, slots))
         self._sending = still
         now = time.monotonic()
         for lease in [lease for lease, (deadline, _) in self._loans.items() if deadline < now]:
-            self._end(lease, self._loans.pop(lease)[1])
+            del self._loans[lease]
+            self.host.end_load(lease)
 
     def close(self) -> None:
         self._stop.set()
