@@ -153,6 +153,13 @@ def _secret_files(
     )
 
 
+# (tier backend, its Secret field, volume prefix, the Secret's keys, where they are mounted)
+_SECRET_FILES = [
+    ("peer", "curveKeySecret", "curve", ["public.key", "secret.key"], CURVE_MOUNT),
+    ("objectStore", "credentialsSecret", "s3", ["accessKeyId", "secretAccessKey"], S3_MOUNT),
+]
+
+
 def _tier_volumes(spec: Manifest) -> tuple[list[Manifest], list[Manifest]]:
     volumes: list[Manifest] = []
     mounts: list[Manifest] = []
@@ -168,24 +175,13 @@ def _tier_volumes(spec: Manifest) -> tuple[list[Manifest], list[Manifest]]:
                 source = {"hostPath": {"path": fs["hostPath"]["path"], "type": "DirectoryOrCreate"}}
             volumes.append({"name": f"tier-{name}", **source})
             mounts.append({"name": f"tier-{name}", "mountPath": f"{TIER_MOUNT}/{name}"})
-        elif "peer" in entry and "curveKeySecret" in entry["peer"]:
-            volume, mount = _secret_files(
-                f"curve-{name}",
-                entry["peer"]["curveKeySecret"]["name"],
-                ["public.key", "secret.key"],
-                f"{CURVE_MOUNT}/{name}",
-            )
-            volumes.append(volume)
-            mounts.append(mount)
-        elif "objectStore" in entry and "credentialsSecret" in entry["objectStore"]:
-            volume, mount = _secret_files(
-                f"s3-{name}",
-                entry["objectStore"]["credentialsSecret"]["name"],
-                ["accessKeyId", "secretAccessKey"],
-                f"{S3_MOUNT}/{name}",
-            )
-            volumes.append(volume)
-            mounts.append(mount)
+        for backend, field, prefix, keys, root in _SECRET_FILES:
+            if field in entry.get(backend, {}):
+                volume, mount = _secret_files(
+                    f"{prefix}-{name}", entry[backend][field]["name"], keys, f"{root}/{name}"
+                )
+                volumes.append(volume)
+                mounts.append(mount)
     return volumes, mounts
 
 
