@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig, scratch_config
+from kvtier.agent.config import AgentConfig, scratch_peer_config
 from kvtier.agent.pool import PAGE
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.tiers.nixl_path import available
@@ -59,29 +59,13 @@ def raw_tcp_gbps(nbytes: int, chunk: int) -> float:
 
 
 def node(scratch: Path, name: str, row: int, slots: int, data_path: str) -> AgentConfig:
-    return scratch_config(
-        scratch / name,
+    return scratch_peer_config(
+        scratch,
         name,
         PAGE + slots * (row + PAGE),
         row,
-        tiers=[
-            {
-                "name": "peers",
-                "peer": {
-                    "bind": "tcp://127.0.0.1:*",
-                    "timeoutSeconds": 5,
-                    "membershipSeconds": 0.5,
-                    "dataPath": data_path,
-                },
-            }
-        ],
-        report={
-            "target": "file",
-            "directory": str(scratch / f"registry-{data_path}"),
-            "node": name,
-            "intervalSeconds": 0.5,
-            "minIntervalSeconds": 0.2,
-        },
+        scratch / f"registry-{data_path}",
+        {"timeoutSeconds": 5, "dataPath": data_path},
         tierBudgetSeconds=30,
     )
 

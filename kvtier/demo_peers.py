@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig, scratch_config
+from kvtier.agent.config import scratch_peer_config
 from kvtier.agent.pool import Bytes
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.units import format_bytes
@@ -39,23 +39,6 @@ class PeerReport:
     seconds: float = 0.0
 
 
-def node(scratch: Path, name: str) -> AgentConfig:
-    return scratch_config(
-        scratch / name,
-        name,
-        "32Mi",
-        ROW_BYTES,
-        tiers=[{"name": "peers", "peer": {"bind": "tcp://127.0.0.1:*", "membershipSeconds": 0.5}}],
-        report={
-            "target": "file",
-            "directory": str(scratch / "registry"),
-            "node": name,
-            "intervalSeconds": 0.5,
-            "minIntervalSeconds": 0.2,
-        },
-    )
-
-
 def _wait(predicate: Any, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -70,7 +53,10 @@ def run_second_node(conversations: int = 3, turns: int = 4) -> PeerReport:
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-demo-peers-", dir="/dev/shm"))
     report = PeerReport()
     try:
-        a, b = node(scratch, "node-a"), node(scratch, "node-b")
+        a, b = (
+            scratch_peer_config(scratch, name, "32Mi", ROW_BYTES, scratch / "registry")
+            for name in ("node-a", "node-b")
+        )
         with AgentProcess(a), AgentProcess(b):
             _wait(lambda: len(list((scratch / "registry").glob("*.json"))) == 2)
             time.sleep(1.0)  # both agents have read the membership
