@@ -245,17 +245,22 @@ class PeerTier(SecondaryTier):
         self, namespace: str, keys: list[bytes], what: type[Announce] | type[Withdraw]
     ) -> None:
         """Announce (or withdraw) this agent as a holder of `keys`: one message per home."""
-        members = self.live_members()
-        by_home: dict[str, list[bytes]] = {}
-        for key in keys:
-            by_home.setdefault(home_of(key, members), []).append(key)
-        for home, batch in by_home.items():
+        for home, indexes in self._by_home(keys).items():
+            batch = [keys[i] for i in indexes]
             if home != self.me:
                 self._peer(home).send(what(namespace, batch, self.me))
             elif what is Announce:
                 self.server.directory.announce(namespace, batch, self.me)
             else:
                 self.server.directory.withdraw(namespace, batch, self.me)
+
+    def _by_home(self, keys: list[bytes]) -> dict[str, list[int]]:
+        """Positions in `keys`, grouped by the live member each key's home is."""
+        members = self.live_members()
+        by_home: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_home.setdefault(home_of(key, members), []).append(i)
+        return by_home
 
     def _withdraw_evicted(self) -> None:
         """Tell the homes about chunks the pool evicted since last time, so lookups stop
@@ -287,12 +292,9 @@ class PeerTier(SecondaryTier):
         """Keys a direct-mode source holds, then the homes asked for the others (always: a
         holder that evicted a chunk has withdrawn it there)."""
         found = [(namespace, key) in self._direct for key in keys]
-        members = self.live_members()
-        by_home: dict[str, list[int]] = {}
-        for i, key in enumerate(keys):
-            if not found[i]:
-                by_home.setdefault(home_of(key, members), []).append(i)
-        for home, indexes in by_home.items():
+        asked = [i for i, known in enumerate(found) if not known]
+        for home, positions in self._by_home([keys[i] for i in asked]).items():
+            indexes = [asked[j] for j in positions]
             batch = [keys[i] for i in indexes]
             if home == self.me:
                 holders = self.server.directory.holders(namespace, batch)
