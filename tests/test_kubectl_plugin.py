@@ -43,10 +43,9 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeAPI]:
                 ]
             },
         }
-        api.request("POST", f"{GROUP}/namespaces/{NS}/kvcachetiers", tier)
+        api.create(f"{GROUP}/namespaces/{NS}/kvcachetiers", tier)
         for node, ago in (("gpu-a", 5), ("gpu-b", 600)):
-            api.request(
-                "POST",
+            api.create(
                 f"{GROUP}/namespaces/{NS}/kvcachenodes",
                 {
                     "apiVersion": "kvtier.io/v1alpha1",

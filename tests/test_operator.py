@@ -160,13 +160,13 @@ def test_agent_reports_become_status_and_columns(
     # The DaemonSet controller's part: how many nodes should run an agent.
     api.request(
         "PATCH",
-        DAEMONSET,
+        f"{DAEMONSET}/status",
         {"status": {"desiredNumberScheduled": 2}},
         "application/merge-patch+json",
     )
     now = dt.datetime.now(dt.UTC)
     for i in range(2):
-        assert api.request("POST", NODES, node_report(f"gpu-{i}", now, 1 << 30))[0] in (200, 201)
+        api.create(NODES, node_report(f"gpu-{i}", now, 1 << 30))
     status = wait_for(lambda: (s := tier_status(api)).get("nodes", {}).get("ready") == 2 and s)
     assert status["nodes"] == {"desired": 2, "ready": 2}
     assert status["summary"]["host"] == "2.0 GiB/16.0 GiB"
@@ -300,7 +300,7 @@ def test_node_reports_do_not_mean_one_status_write_each(
     # 200 here (the emulator slows down with many objects); the pure aggregation of 1,000
     # reports is in test_operator_builders.py.
     for i in range(200):
-        api.request("POST", NODES, node_report(f"n{i:04d}", now, 1 << 20))
+        api.create(NODES, node_report(f"n{i:04d}", now, 1 << 20))
     wait_for(lambda: tier_status(api).get("lookups", 0) >= 200 * 100, timeout=60)
     elapsed = time.monotonic() - started
     writes = [u for u in api.emulator.updates[updates_before:] if u == ("kvcachetiers", "llama")]
