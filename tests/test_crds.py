@@ -100,7 +100,19 @@ def test_good_tier_is_admitted_with_defaults() -> None:
     [
         ({"host": {"capacity": "-4Gi"}}, "spec.host.capacity", "does not match"),
         ({"host": {"capacity": "0"}}, "spec.host.capacity", "does not match"),
-        ({"host": {"capacity": 0}}, "spec.host.capacity", "is not valid under any"),
+        ({"host": {"capacity": 0}}, "spec.host.capacity", "must be a positive number of bytes"),
+        (
+            {"host": {"capacity": "8Gi", "chunkSize": -1}},
+            "spec.host.chunkSize",
+            "must be a positive number of bytes",
+        ),
+        ({"vllm": {"cpuBytes": "4 Gi"}}, "spec.vllm.cpuBytes", "does not match"),
+        (
+            {"tiers": [{"name": "s3", "objectStore": {"bucket": "abc", "capacity": 0}}]},
+            "spec.tiers[0].objectStore.capacity",
+            "must be a positive number of bytes",
+        ),
+        ({"host": {"capacity": True}}, "spec.host.capacity", "is not valid under any"),
         ({"host": {"capacity": "8Gi", "policy": "fifo"}}, "spec.host.policy", "is not one of"),
         ({"host": {}}, "spec.host", "'capacity' is a required property"),
         (
