@@ -8,21 +8,17 @@ API server one small write per agent per heartbeat, not one per request.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
 import datetime as dt
-import http.client
 import json
 import logging
 import os
 import socket
-import ssl
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,8 +29,10 @@ import kvtier
 from kvtier.agent.config import ReportConfig
 
 log = logging.getLogger("kvtier.agent.report")
-KVN = "/apis/kvtier.io/v1alpha1/namespaces/{namespace}/kvcachenodes"
-WATCH_IDLE_SECONDS = 330  # a watch with no event for this long is re-established
+API_VERSION = "kvtier.io/v1alpha1"
+TIER_LABEL = "kvtier.io/tier"
+FIELD_MANAGER = "kvtier-agent"  # the agent's identity in its KVCacheNode's managedFields
+WATCH_SECONDS = 300  # the API server ends a watch after this long; it is resumed at once
 
 
 def build_report(stats: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
@@ -159,62 +157,42 @@ class FileRegistry(Registry):
 
 
 class KubernetesRegistry(Registry):
-    """The agent's own KVCacheNode: created once, then its status patched."""
+    """The agent's own KVCacheNode: its spec applied once (server-side apply, so a restarted
+    agent's new endpoint replaces its predecessor's), then its status patched; the tier's
+    other agents followed by one watch."""
 
     def __init__(self, config: ReportConfig, node: str) -> None:
-        import kopf
+        from kvtier.kube import Client
 
-        logger = logging.getLogger("kvtier.agent.login")
-        settings = kopf.OperatorSettings()
-        info = kopf.login_with_service_account(settings=settings, logger=logger) or (
-            kopf.login_with_kubeconfig(settings=settings, logger=logger)
-        )
-        if info is None:
-            raise RuntimeError("no Kubernetes credentials (service account or kubeconfig)")
-        self._server = info.server.rstrip("/")
-        self._headers = {"Content-Type": "application/json"}
-        if info.token:
-            self._headers["Authorization"] = f"Bearer {info.token}"
-        self._ssl = ssl.create_default_context(cafile=info.ca_path) if info.ca_path else None
-        if info.insecure and self._ssl is not None:
-            self._ssl.check_hostname = False
-            self._ssl.verify_mode = ssl.CERT_NONE
-        self._collection = KVN.format(namespace=config.namespace)
+        self._client = Client(field_manager=FIELD_MANAGER)  # service account, else kubeconfig
+        self.namespace = config.namespace
         self.node = node
         self.tier = config.tier
         self.name = f"{config.tier}-{node}"[:253]
-        self._body: dict[str, Any] = {
-            "apiVersion": "kvtier.io/v1alpha1",
-            "kind": "KVCacheNode",
-            "metadata": {
-                "name": self.name,
-                "namespace": config.namespace,
-                "labels": {"kvtier.io/tier": str(config.tier)},
-            },
-            "spec": {"tier": config.tier, "node": node, "version": kvtier.__version__},
-        }
         self._created = False
         self._members: dict[str, Member] = {}
         self._members_lock = threading.Lock()
         self._synced = threading.Event()
         self._watcher: threading.Thread | None = None
-        self._stream: http.client.HTTPConnection | None = None
-        self._closed = threading.Event()
+        self._watch_loop: asyncio.AbstractEventLoop | None = None
+        self._watch_task: asyncio.Task[None] | None = None
 
-    def _request(
-        self, method: str, path: str, body: Any, content_type: str = "application/json"
-    ) -> tuple[int, Any]:
-        request = urllib.request.Request(
-            self._server + path,
-            data=None if body is None else json.dumps(body).encode(),
-            method=method,
-            headers={**self._headers, "Content-Type": content_type},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=10, context=self._ssl) as resp:
-                return int(resp.status), json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as err:
-            return int(err.code), None
+    def _manifest(self) -> dict[str, Any]:
+        spec: dict[str, Any] = {"tier": self.tier, "node": self.node, "version": kvtier.__version__}
+        if self.endpoint:
+            spec["endpoints"] = {"control": self.endpoint}
+        if self.nixl:
+            spec["nixlMetadata"] = self._nixl_text()
+        return {
+            "apiVersion": API_VERSION,
+            "kind": "KVCacheNode",
+            "metadata": {
+                "name": self.name,
+                "namespace": self.namespace,
+                "labels": {TIER_LABEL: str(self.tier)},
+            },
+            "spec": spec,
+        }
 
     def members(self) -> list[Member]:
         """The tier's agents as a watch keeps them (started on first use): one LIST, then a
@@ -240,99 +218,92 @@ class KubernetesRegistry(Registry):
         )
 
     def _watch(self) -> None:
-        """LIST, then WATCH from the listing's version; on any error or expiry, again."""
-        selector = "labelSelector=" + urllib.parse.quote(f"kvtier.io/tier={self.tier}")
-        while not self._closed.is_set():
-            try:
-                code, listing = self._request("GET", f"{self._collection}?{selector}", None)
-                if code != 200 or not listing:
-                    raise RuntimeError(f"listing KVCacheNodes: HTTP {code}")
-                found = {}
-                for item in listing.get("items", []):
-                    if (member := self._member(item)) is not None:
-                        found[item["metadata"]["name"]] = member
-                with self._members_lock:
-                    self._members = found
-                self._synced.set()
-                version = (listing.get("metadata") or {}).get("resourceVersion", "")
-                self._follow(
-                    f"{self._collection}?{selector}&watch=1&timeoutSeconds=300"
-                    f"&resourceVersion={version}"
-                )
-            except Exception as exc:  # the API server restarts, the watch expires
-                log.debug("watching KVCacheNodes: %s", exc)
-                self._closed.wait(2)
+        """The watch runs on an event loop of this thread, so close() can cancel it at once
+        (a blocking read of a stream cannot be interrupted from another thread)."""
+        loop = asyncio.new_event_loop()
+        self._watch_loop = loop
+        self._watch_task = loop.create_task(self._follow())
+        with contextlib.suppress(asyncio.CancelledError):
+            loop.run_until_complete(self._watch_task)
+        loop.close()
 
-    def _follow(self, path: str) -> None:
-        url = urllib.parse.urlsplit(self._server)
-        conn: http.client.HTTPConnection
-        if url.scheme == "https":
-            conn = http.client.HTTPSConnection(
-                url.hostname or "", url.port, timeout=WATCH_IDLE_SECONDS, context=self._ssl
-            )
-        else:
-            conn = http.client.HTTPConnection(
-                url.hostname or "", url.port, timeout=WATCH_IDLE_SECONDS
-            )
-        self._stream = conn
+    async def _follow(self) -> None:
+        """LIST, then WATCH from the listing's version (resumed from the last event's version
+        after a dropped stream, listed afresh after 410 Gone); on any other error, again after
+        a pause."""
+        from kvtier.kube import AsyncClient, KVCacheNode, as_dict, retry_watch
+
+        client = AsyncClient(field_manager=FIELD_MANAGER)
+        selector: dict[str, Any] = {TIER_LABEL: str(self.tier)}
         try:
-            conn.request("GET", url.path + path, headers=self._headers)
-            response = conn.getresponse()
-            if response.status != 200:
-                raise RuntimeError(f"watching KVCacheNodes: HTTP {response.status}")
-            for line in response:
-                event = json.loads(line)
-                item = event.get("object") or {}
-                name = (item.get("metadata") or {}).get("name")
-                if event.get("type") == "ERROR" or not name:
-                    return  # e.g. 410 Gone: the version is too old; list again
-                member = None if event["type"] == "DELETED" else self._member(item)
-                with self._members_lock:
-                    if member is None:
-                        self._members.pop(name, None)
-                    else:
-                        self._members[name] = member
+            while True:
+                try:
+                    listing = client.list(KVCacheNode, namespace=self.namespace, labels=selector)
+                    found = {}
+                    async for obj in listing:
+                        item = as_dict(obj)
+                        if (member := self._member(item)) is not None:
+                            found[item["metadata"]["name"]] = member
+                    with self._members_lock:
+                        self._members = found
+                    self._synced.set()
+                    async for kind, obj in client.watch(
+                        KVCacheNode,
+                        namespace=self.namespace,
+                        labels=selector,
+                        resource_version=listing.resourceVersion,
+                        server_timeout=WATCH_SECONDS,
+                        on_error=retry_watch,
+                    ):
+                        self._on_event(kind, as_dict(obj))
+                except Exception as exc:  # the API server unreachable, credentials refused
+                    log.debug("watching KVCacheNodes: %s", exc)
+                    await asyncio.sleep(2)
         finally:
-            self._stream = None
-            conn.close()
+            await client.close()
+
+    def _on_event(self, kind: str, item: dict[str, Any]) -> None:
+        name = (item.get("metadata") or {}).get("name")
+        if not name:
+            return
+        member = None if kind == "DELETED" else self._member(item)
+        with self._members_lock:
+            if member is None:
+                self._members.pop(name, None)
+            else:
+                self._members[name] = member
 
     def close(self) -> None:
-        self._closed.set()
-        stream = self._stream
-        if stream is not None and stream.sock is not None:
-            with contextlib.suppress(OSError):  # ends the blocked read of the watch
-                stream.sock.shutdown(socket.SHUT_RDWR)
+        loop, task = self._watch_loop, self._watch_task
+        if loop is not None and task is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
+                loop.call_soon_threadsafe(task.cancel)
         if self._watcher is not None:
             self._watcher.join(timeout=5)
+        self._client.close()
 
     def publish(self, status: dict[str, Any]) -> None:
+        from lightkube.types import PatchType
+
+        from kvtier.kube import ApiError, KVCacheNode, not_found, to_object
+
         if not self._created:
-            spec = self._body["spec"]
-            if self.endpoint:
-                spec["endpoints"] = {"control": self.endpoint}
-            if self.nixl:
-                spec["nixlMetadata"] = self._nixl_text()
-            code, _ = self._request("POST", self._collection, self._body)
-            if code == 409:  # left by this node's previous agent: its address and NIXL agent
-                code, _ = self._request(  # have changed since
-                    "PATCH",
-                    f"{self._collection}/{self.name}",
-                    {"spec": spec},
-                    "application/merge-patch+json",
-                )
-            if code not in (200, 201):
-                raise RuntimeError(f"creating KVCacheNode {self.name}: HTTP {code}")
+            # Apply, forced: the spec left by this node's previous agent (its address and
+            # NIXL agent have changed since) is replaced, whoever wrote it.
+            self._client.apply(to_object(self._manifest()), force=True)
             self._created = True
-        code, _ = self._request(
-            "PATCH",
-            f"{self._collection}/{self.name}/status",
-            {"status": status},
-            "application/merge-patch+json",
-        )
-        if code == 404:
-            self._created = False  # deleted under us: recreated next time
-        elif code >= 300:
-            raise RuntimeError(f"updating KVCacheNode {self.name}: HTTP {code}")
+        try:
+            self._client.patch(
+                KVCacheNode.Status,
+                self.name,
+                {"status": status},
+                namespace=self.namespace,
+                patch_type=PatchType.MERGE,
+            )
+        except ApiError as exc:
+            if not_found(exc):
+                self._created = False  # deleted under us: recreated next time
+            raise
 
 
 def make_registry(config: ReportConfig) -> Registry | None:

@@ -8,42 +8,40 @@ current kubeconfig context.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from lightkube.core.exceptions import ConfigError
+from lightkube.resources.core_v1 import Pod
 from rich.console import Console
 from rich.table import Table
 
 from kvtier.agent.units import format_bytes
+from kvtier.kube import ApiError, Client, KVCacheNode, KVCacheTier, as_dict, not_found
 
-GROUP = "/apis/kvtier.io/v1alpha1"
 STALE_SECONDS = 60.0
 
 
-async def _client() -> Any:
-    import kopf
+def _client() -> Client:
+    """The current kubeconfig context, as kubectl uses it."""
+    try:
+        return Client()
+    except ConfigError as exc:
+        raise SystemExit(
+            f"no usable kubeconfig ({exc}): set KUBECONFIG or create ~/.kube/config"
+        ) from exc
 
-    from kvtier.operator.kube import KubeClient
 
-    info = kopf.login_with_kubeconfig(
-        settings=kopf.OperatorSettings(), logger=logging.getLogger("kubectl-kvtier")
+def _tiers_and_nodes(client: Client, namespace: str | None) -> tuple[list[Any], list[Any]]:
+    """The KVCacheTiers and KVCacheNodes of a namespace (all namespaces for None)."""
+    where = namespace or "*"
+    return (
+        [as_dict(t) for t in client.list(KVCacheTier, namespace=where)],
+        [as_dict(n) for n in client.list(KVCacheNode, namespace=where)],
     )
-    if info is None:
-        raise SystemExit("no kubeconfig: set KUBECONFIG or create ~/.kube/config")
-    return KubeClient(info)
-
-
-def _items(listing: dict[str, Any] | None) -> list[dict[str, Any]]:
-    return list((listing or {}).get("items", []))
-
-
-def _path(namespace: str | None, plural: str) -> str:
-    return f"{GROUP}/namespaces/{namespace}/{plural}" if namespace else f"{GROUP}/{plural}"
 
 
 def _fresh(status: dict[str, Any], now: dt.datetime) -> bool:
@@ -54,13 +52,9 @@ def _fresh(status: dict[str, Any], now: dt.datetime) -> bool:
     return (now - when).total_seconds() <= STALE_SECONDS
 
 
-async def collect_status(namespace: str | None) -> dict[str, Any]:
-    client = await _client()
-    try:
-        tiers = _items(await client.request("GET", _path(namespace, "kvcachetiers")))
-        nodes = _items(await client.request("GET", _path(namespace, "kvcachenodes")))
-    finally:
-        await client.close()
+def collect_status(namespace: str | None) -> dict[str, Any]:
+    with _client() as client:
+        tiers, nodes = _tiers_and_nodes(client, namespace)
     now = dt.datetime.now(dt.UTC)
     report = []
     for tier in tiers:
@@ -120,15 +114,16 @@ def render_status(report: dict[str, Any], console: Console) -> None:
         console.print(table)
 
 
-async def explain_miss(namespace: str, pod_name: str) -> dict[str, Any]:
+def explain_miss(namespace: str, pod_name: str) -> dict[str, Any]:
     """Reasons, most fundamental first, why a pod's engine may get no hits from kvtier."""
-    client = await _client()
-    try:
-        pod = await client.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod_name}")
-        tiers = _items(await client.request("GET", _path(namespace, "kvcachetiers")))
-        nodes = _items(await client.request("GET", _path(namespace, "kvcachenodes")))
-    finally:
-        await client.close()
+    with _client() as client:
+        try:
+            pod: dict[str, Any] | None = as_dict(client.get(Pod, pod_name, namespace=namespace))
+        except ApiError as exc:
+            if not not_found(exc):
+                raise
+            pod = None
+        tiers, nodes = _tiers_and_nodes(client, namespace)
     if pod is None:
         return {"pod": pod_name, "reasons": [f"pod {namespace}/{pod_name} not found"]}
     from kvtier.operator.webhook import INJECTED, SKIPPED, TIER, selects
@@ -204,13 +199,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "status":
         namespace = None if args.all_namespaces else (args.namespace or "default")
-        report = asyncio.run(collect_status(namespace))
+        report = collect_status(namespace)
         if args.json:
             print(json.dumps(report, indent=2))
         else:
             render_status(report, Console())
         return 0
-    result = asyncio.run(explain_miss(args.namespace, args.pod))
+    result = explain_miss(args.namespace, args.pod)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

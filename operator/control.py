@@ -11,9 +11,9 @@ from typing import Any
 import jsonpatch
 
 from kvtier.agent.config import ConfigError
-from kvtier.operator.kube import KubeClient, object_url
+from kvtier.kube import FIELD_MANAGER, AsyncClient
 from kvtier.operator.names import agent_name
-from kvtier.operator.reconcile import ensure_children
+from kvtier.operator.reconcile import ensure_children, fetch
 from kvtier.operator.settings import OperatorSettings
 from kvtier.operator.status import aggregate, merge_conditions, transitions
 from kvtier.operator.webhook import mutate_pod, selects
@@ -22,18 +22,18 @@ Manifest = dict[str, Any]
 
 
 class State:
-    """Per-process operator state: settings, and the API client built from kopf's login."""
+    """Per-process operator state: settings, and the API client, which finds the same
+    credentials kopf logs in with (the service account in a pod, else the kubeconfig)."""
 
     def __init__(self, settings: OperatorSettings) -> None:
         self.settings = settings
-        self.connection: Any = None
-        self._client: KubeClient | None = None
+        self._client: AsyncClient | None = None
         self.config_errors: dict[tuple[str, str], str] = {}
 
     @property
-    def client(self) -> KubeClient:
+    def client(self) -> AsyncClient:
         if self._client is None:
-            self._client = KubeClient(self.connection)
+            self._client = AsyncClient(field_manager=FIELD_MANAGER)
         return self._client
 
     async def close(self) -> None:
@@ -59,8 +59,9 @@ async def reconcile_tier(state: State, tier: Manifest, logger: logging.Logger) -
 async def desired_agents(state: State, tier: Manifest) -> int:
     """How many nodes should run an agent, as the DaemonSet controller says."""
     meta = tier["metadata"]
-    path = object_url("apps/v1", "DaemonSet", meta["namespace"], agent_name(meta["name"]))
-    current = await state.client.request("GET", path)
+    current = await fetch(
+        state.client, "apps/v1", "DaemonSet", meta["namespace"], agent_name(meta["name"])
+    )
     return int(((current or {}).get("status") or {}).get("desiredNumberScheduled", 0))
 
 

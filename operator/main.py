@@ -48,10 +48,9 @@ async def close(**_: Any) -> None:
 
 @kopf.on.login()
 def login(**kwargs: Any) -> Any:
-    STATE.connection = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(
-        **kwargs
-    )
-    return STATE.connection
+    """kopf's own client: the service account in a pod, else the kubeconfig (the same order
+    kvtier's client follows), whatever other client libraries are installed."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
 @kopf.index(*NODES)

@@ -1,36 +1,46 @@
-"""Level-based reconciliation of a KVCacheTier's children: compare what exists with what the
-builders want, create what is missing, patch what drifted. Run on every change and on a
-timer, so a deleted or edited child comes back whichever event was missed."""
+"""Level-based reconciliation of a KVCacheTier's children: every pass applies what the
+builders want with server-side apply, as kvtier's field manager, forcing conflicts. A child
+deleted by hand is re-created, a field edited by hand is set back, a field the desired object
+no longer has is removed, and fields other controllers own (defaults, status, an HPA's
+replicas) are left alone. Run on every change and on a timer, so a missed event is caught up."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
+from lightkube.types import PatchType
+
 from kvtier.agent.config import ConfigError
+from kvtier.kube import (
+    FIELD_MANAGER,
+    ApiError,
+    AsyncClient,
+    as_dict,
+    not_found,
+    resource_of,
+    to_object,
+)
 from kvtier.operator.builders import build_children
-from kvtier.operator.kube import KubeClient, KubeError
-from kvtier.operator.names import GROUP
+from kvtier.operator.ownership import upgrade_patch
 from kvtier.operator.settings import OperatorSettings
 
 Manifest = dict[str, Any]
-SPEC_HASH = f"{GROUP}/spec-hash"
 
 
-def _with_hash(child: Manifest) -> Manifest:
-    """Stamp a child with a digest of what it should be: drift is a differing digest, so
-    fields the API server adds (defaults, status) are never mistaken for drift."""
-    body = {k: v for k, v in child.items() if k != "metadata"}
-    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
-    meta = child["metadata"]
-    return {
-        **child,
-        "metadata": {**meta, "annotations": {**meta.get("annotations", {}), SPEC_HASH: digest}},
-    }
+async def fetch(
+    client: AsyncClient, api_version: str, kind: str, namespace: str, name: str
+) -> Manifest | None:
+    """The object, or None when there is none."""
+    try:
+        found = await client.get(resource_of(api_version, kind), name, namespace=namespace)
+    except ApiError as exc:
+        if not_found(exc):
+            return None
+        raise
+    return as_dict(found)
 
 
-async def check_references(client: KubeClient, tier: Manifest) -> None:
+async def check_references(client: AsyncClient, tier: Manifest) -> None:
     """What the schema cannot know: the Secrets and claims the spec names must exist.
     Raises ConfigError naming the field, before anything is changed."""
     namespace = tier["metadata"]["namespace"]
@@ -52,7 +62,7 @@ async def check_references(client: KubeClient, tier: Manifest) -> None:
                 ("PersistentVolumeClaim", "filesystem.pvc", entry["filesystem"]["pvc"]["claimName"])
             )
         for kind, field, name in refs:
-            if not await client.exists(kind, namespace, name):
+            if await fetch(client, "v1", kind, namespace, name) is None:
                 problems.append(
                     f"spec.tiers[{i}].{field}: {kind} {name!r} not found in namespace "
                     f"{namespace}; fix: create it or correct the name"
@@ -62,26 +72,32 @@ async def check_references(client: KubeClient, tier: Manifest) -> None:
 
 
 async def ensure_children(
-    client: KubeClient, tier: Manifest, settings: OperatorSettings
+    client: AsyncClient, tier: Manifest, settings: OperatorSettings
 ) -> list[str]:
     """Make the children match the resource; returns what was done, e.g. 'created DaemonSet'.
     Raises ConfigError before touching anything when the spec cannot be rendered."""
     await check_references(client, tier)
     actions = []
-    for child in (_with_hash(c) for c in build_children(tier, settings)):
-        current = await client.get(child)
-        if current is None:
-            try:
-                await client.create(child)
-            except KubeError as exc:
-                if exc.status != 409:  # 409: created meanwhile by a concurrent pass
-                    raise
-            actions.append(f"created {child['kind']}")
-            continue
-        have = (current.get("metadata", {}).get("annotations") or {}).get(SPEC_HASH)
-        if have != child["metadata"]["annotations"][SPEC_HASH]:
-            await client.merge_patch(
-                child, {k: v for k, v in child.items() if k not in {"apiVersion", "kind"}}
+    for child in build_children(tier, settings):
+        kind, meta = child["kind"], child["metadata"]
+        resource = resource_of(child["apiVersion"], kind)
+        current = await fetch(client, child["apiVersion"], kind, meta["namespace"], meta["name"])
+        if current is not None and (patch := upgrade_patch(current, FIELD_MANAGER)) is not None:
+            moved = await client.patch(
+                resource,
+                meta["name"],
+                patch,
+                namespace=meta["namespace"],
+                patch_type=PatchType.JSON,
             )
-            actions.append(f"updated {child['kind']}")
+            current = as_dict(moved)
+        applied = as_dict(
+            await client.apply(to_object(child), field_manager=FIELD_MANAGER, force=True)
+        )
+        if current is None:
+            actions.append(f"created {kind}")
+        elif applied["metadata"].get("resourceVersion") != current["metadata"].get(
+            "resourceVersion"
+        ):
+            actions.append(f"updated {kind}")
     return actions

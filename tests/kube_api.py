@@ -64,8 +64,11 @@ class KubeEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
                 return _status(422, "Invalid", str(exc))
             if isinstance(request, aiohttp.web.Response):
-                return request
-        return await super()._handle(request)
+                return _plain_json(request)
+        return _plain_json(await super()._handle(request))
+
+    async def _render_error(self, exc: Exception) -> Any:
+        return _plain_json(await super()._render_error(exc))
 
     async def _written(self, request: Any) -> Any:
         """The request rewritten to store the whole object a real server would store."""
@@ -106,6 +109,14 @@ class KubeEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             meta["generation"] = int(live["metadata"].get("generation", 1)) + 1
         meta["resourceVersion"] = str(next(_versions))
         return _rewrite(request, data=[{"op": "replace", "path": "", "value": new}])
+
+
+def _plain_json(response: Any) -> Any:
+    """`application/json` without a charset, as a real API server answers: lightkube turns
+    only such answers into ApiError (with the Status), anything else into a bare HTTP error."""
+    if not response.prepared and response.content_type == "application/json":
+        response.headers["Content-Type"] = "application/json"
+    return response
 
 
 def _rewrite(request: Any, **changes: Any) -> Any:

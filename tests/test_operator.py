@@ -161,7 +161,14 @@ def test_agent_reports_become_status_and_columns(
     api.request(
         "PATCH",
         f"{DAEMONSET}/status",
-        {"status": {"desiredNumberScheduled": 2}},
+        {
+            "status": {
+                "desiredNumberScheduled": 2,
+                "currentNumberScheduled": 2,
+                "numberMisscheduled": 0,
+                "numberReady": 0,
+            }
+        },
         "application/merge-patch+json",
     )
     now = dt.datetime.now(dt.UTC)

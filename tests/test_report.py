@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvtier.agent.config import ReportConfig
-from kvtier.agent.report import KVN, FileRegistry, KubernetesRegistry, Reporter, build_report
+from kvtier.agent.report import FileRegistry, KubernetesRegistry, Reporter, build_report
 from tests.kube_api import KubeAPI
 
 STATS: dict[str, Any] = {
@@ -138,7 +138,9 @@ def test_membership_follows_kvcachenodes_through_a_watch(
         wait_until(lambda: endpoints().get("gpu-1") == "tcp://10.0.0.11:5557")
         join("gpu-1", "tcp://10.0.0.99:5557")  # its agent restarted elsewhere
         wait_until(lambda: endpoints().get("gpu-1") == "tcp://10.0.0.99:5557")
-        code, _ = api.request("DELETE", f"{KVN.format(namespace='default')}/llama-gpu-1")
+        code, _ = api.request(
+            "DELETE", "/apis/kvtier.io/v1alpha1/namespaces/default/kvcachenodes/llama-gpu-1"
+        )
         assert code == 200
         wait_until(lambda: "gpu-1" not in endpoints())
         assert endpoints() == {"gpu-0": "tcp://10.0.0.10:5557"}
