@@ -29,6 +29,9 @@ class State:
         self.settings = settings
         self._client: AsyncClient | None = None
         self.config_errors: dict[tuple[str, str], str] = {}
+        # The generation of each tier's spec last acted on (children applied or the spec
+        # refused): what status.observedGeneration reports, per Kubernetes' API conventions.
+        self.observed: dict[tuple[str, str], int] = {}
 
     @property
     def client(self) -> AsyncClient:
@@ -43,14 +46,17 @@ class State:
 
 async def reconcile_tier(state: State, tier: Manifest, logger: logging.Logger) -> list[str]:
     key = (tier["metadata"]["namespace"], tier["metadata"]["name"])
+    generation = int(tier["metadata"].get("generation", 0))
     try:
         actions = await ensure_children(state.client, tier, state.settings)
     except ConfigError as exc:
         # What only the operator can check; existing agents are left running as they are.
         state.config_errors[key] = "; ".join(exc.problems)
+        state.observed[key] = generation
         logger.warning("invalid KVCacheTier, children left unchanged: %s", exc)
         return []
     state.config_errors.pop(key, None)
+    state.observed[key] = generation
     if actions:
         logger.info("reconciled: %s", ", ".join(actions))
     return actions
@@ -73,20 +79,25 @@ def next_status(
     now: dt.datetime,
     injected_pods: int = 0,
 ) -> tuple[Manifest | None, list[Manifest]]:
-    """The status to write (None when nothing changed) and the condition transitions."""
+    """The status to write (None when nothing changed) and the condition transitions. Its
+    observedGeneration, and each condition's, is the generation last reconciled (by this
+    process, else as the status already says), never merely the current one."""
     meta = tier["metadata"]
     current = dict(tier.get("status") or {})
+    key = (meta["namespace"], meta["name"])
+    observed = state.observed.get(key, int(current.get("observedGeneration", 0)))
     new = aggregate(
         reports,
         desired,
         now,
         state.settings.heartbeat_timeout_seconds,
-        config_error=state.config_errors.get((meta["namespace"], meta["name"])),
+        config_error=state.config_errors.get(key),
         injected_pods=injected_pods,
     )
     old_conditions = list(current.get("conditions") or [])
-    new["conditions"] = merge_conditions(old_conditions, new["conditions"])
-    new["observedGeneration"] = meta.get("generation", 0)
+    stamped = [{**c, "observedGeneration": observed} for c in new["conditions"]]
+    new["conditions"] = merge_conditions(old_conditions, stamped)
+    new["observedGeneration"] = observed
     if all(current.get(k) == v for k, v in new.items()):
         return None, []
     return new, transitions(old_conditions, new["conditions"])

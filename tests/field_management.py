@@ -189,6 +189,11 @@ def _delete(obj: Any, path: Path) -> None:
             return
 
 
+def _is_item_key(path: Path) -> bool:
+    """A key field of a list item (a container's name): it goes only with its item."""
+    return len(path) >= 2 and path[-2].startswith("k:") and path[-1][2:] in json.loads(path[-2][2:])
+
+
 def _entries(obj: Obj) -> list[Obj]:
     return list((obj.get("metadata") or {}).get("managedFields") or [])
 
@@ -244,9 +249,10 @@ def apply(live: Obj | None, config: Obj, manager: str, force: bool) -> Obj:
     others = [(entry, owned - taken) for entry, owned in others]
     result = merge(base, {k: v for k, v in config.items() if k != "status"})
     still_owned = set().union(*(owned for _e, owned in others)) if others else set()
-    for path in sorted(previous - applied, key=len, reverse=True):
+    # Whole list items first (then their fields are gone with them), deepest fields next.
+    for path in sorted(previous - applied, key=lambda p: (p[-1] != ".", -len(p))):
         under = [p for p in still_owned | applied if p[: len(path) - 1] == path[:-1]]
-        if path in still_owned or (path[-1] == "." and under):
+        if path in still_owned or (path[-1] == "." and under) or _is_item_key(path):
             continue
         _delete(result, path)
     mine = _entry(manager, "Apply", str(config.get("apiVersion", "")), applied)

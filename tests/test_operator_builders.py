@@ -358,3 +358,20 @@ def test_peer_transports_choose_the_agents_data_path(
     assert config.tiers[0].peer is not None
     assert config.tiers[0].peer.data_path == data_path
     assert config.tiers[0].peer.max_lent_chunks == 32
+
+
+def test_observed_generation_is_the_generation_last_reconciled() -> None:
+    """API conventions: status.observedGeneration (and each condition's) names the spec the
+    operator acted on; a spec changed since is not yet observed."""
+    from kvtier.operator.control import State, next_status
+
+    state = State(SETTINGS)
+    tier = {"metadata": {"namespace": "ns", "name": "t", "generation": 4}, "spec": {}}
+    tier["status"] = {"observedGeneration": 3}
+    now = dt.datetime.now(dt.UTC)
+    status, _ = next_status(state, tier, [], 0, now)
+    assert status is not None and status["observedGeneration"] == 3
+    state.observed[("ns", "t")] = 4
+    status, _ = next_status(state, tier, [], 0, now)
+    assert status is not None and status["observedGeneration"] == 4
+    assert {c["observedGeneration"] for c in status["conditions"]} == {4}

@@ -1,0 +1,58 @@
+"""`kvtier operator` as its own process against an API server (emulated or real), as the
+chart's Deployment runs it, for the operator tests and the conformance suite."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import free_port, wait_port
+
+IMAGE = "registry.local/kvtier:test"
+
+
+@contextlib.contextmanager
+def running_operator(
+    kubeconfig: Path, directory: Path, namespaces: tuple[str, ...] = ()
+) -> Iterator[int]:
+    """Runs the operator (every namespace, or only `namespaces`) with one-second timers;
+    yields its webhook port. Its log is `directory/operator.log`."""
+    webhook_port = free_port()
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "KVTIER_RECONCILE_INTERVAL_SECONDS": "1",
+        "KVTIER_STATUS_INTERVAL_SECONDS": "1",
+        "KVTIER_WEBHOOK_PORT": str(webhook_port),
+        "KVTIER_IMAGE": IMAGE,
+    }
+    args = [str(Path(sys.executable).parent / "kvtier"), "operator"]
+    args += ["--health-port", str(free_port())]
+    for namespace in namespaces:
+        args += ["--namespace", namespace]
+    with open(directory / "operator.log", "w") as log:
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=directory)
+        try:
+            wait_port(webhook_port)
+            yield webhook_port
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """Polls `check` until it returns something true, which it returns."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.1)
