@@ -34,10 +34,17 @@ $(VLLM_STAMP): pyproject.toml requirements/vllm.txt
 
 vllm-env: $(VLLM_STAMP)
 
+# The sources of the official vLLM wheel's offloading interfaces (the version pods run, which
+# cannot be imported here): the wheel is downloaded once, the files re-extracted when the
+# plug-in changes; tests/vllm/test_vllm_interface.py reads them.
+VLLM_INTERFACE := $(VLLM_VENV)/vllm-interface/.complete
+$(VLLM_INTERFACE): $(STAMP) tools/fetch_vllm_interface.py agent/vllm.py agent/fingerprint.py
+	$(PY) tools/fetch_vllm_interface.py $(VLLM_VENV)/vllm-interface
+
 demo: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/kvtier demo --vllm-python $(VLLM_PY)
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(VLLM_INTERFACE)
 	$(PY) -m pytest tests
 	KVTIER_AGENT_PYTHON=$(CURDIR)/$(PY) $(VLLM_PY) -m pytest tests/vllm
 
@@ -55,6 +62,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/kvtier
 	ln -s $(CURDIR)/kvtier/*.py $(TYPECHECK)/kvtier/
+	ln -s $(CURDIR)/kvtier/csi $(TYPECHECK)/kvtier/csi
 	ln -s $(CURDIR)/agent $(TYPECHECK)/kvtier/agent
 	ln -s $(CURDIR)/bench $(TYPECHECK)/kvtier/bench
 	ln -s $(CURDIR)/operator $(TYPECHECK)/kvtier/operator

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,6 +80,23 @@ def _operator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csi(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvtier.csi.server import KubernetesTiers, NodePlugin, run
+    from kvtier.csi.volumes import Volumes, remove_legacy_pools
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.legacy_dir is not None and (removed := remove_legacy_pools(args.legacy_dir)):
+        logging.getLogger("kvtier.csi").info("removed legacy pools: %s", ", ".join(removed))
+    plugin = NodePlugin(args.node_id, Volumes(args.state_dir, args.target_root), KubernetesTiers())
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    run(plugin, args.endpoint, args.sweep_seconds, stop)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from kvtier.demo import DemoOptions, run_demo
 
@@ -123,6 +141,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="validate the config (and its directories), print it with defaults, and exit",
     )
     agent.set_defaults(func=_agent)
+
+    csi = sub.add_parser(
+        "csi",
+        help="run the CSI node plugin (csi.kvtier.io)",
+        description="Run the CSI node plugin that gives pods their tier's node-local "
+        "directory (a size-limited tmpfs) as an ephemeral inline volume. Needs root and "
+        "the mount capability: the chart runs it as the one privileged kvtier component.",
+    )
+    csi.add_argument("--endpoint", default="unix:///csi/csi.sock", help="gRPC endpoint")
+    csi.add_argument("--node-id", required=True, help="this node's name")
+    csi.add_argument(
+        "--state-dir", type=Path, default=Path("/var/lib/kvtier/csi"), help="tier tmpfs mounts"
+    )
+    csi.add_argument(
+        "--target-root",
+        type=Path,
+        default=Path("/var/lib/kubelet/pods"),
+        help="the only directory volumes are published under",
+    )
+    csi.add_argument(
+        "--legacy-dir",
+        type=Path,
+        default=None,
+        help="where earlier versions kept pools (a hostPath); emptied and removed at start",
+    )
+    csi.add_argument("--sweep-seconds", type=float, default=30.0, help="freeing deleted tiers")
+    csi.set_defaults(func=_csi)
 
     operator = sub.add_parser(
         "operator",

@@ -11,10 +11,9 @@ resourceVersion. The vLLM plug-in never imports this module.
 from __future__ import annotations
 
 import logging
-from typing import Any, cast
+from typing import Any
 
 from lightkube import ApiError, AsyncClient, Client, codecs
-from lightkube.core.resource import NamespacedResource
 from lightkube.core.resource_registry import resource_registry
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.types import OnErrorAction, OnErrorResult
@@ -46,10 +45,9 @@ __all__ = [
 ]
 
 
-def resource_of(api_version: str, kind: str) -> type[NamespacedResource]:
-    """The lightkube resource type of a namespaced kind (built-in, or one of kvtier's CRDs):
-    everything kvtier reads and writes lives in the tier's namespace."""
-    return cast(type[NamespacedResource], resource_registry.load(api_version, kind))
+def resource_of(api_version: str, kind: str) -> Any:
+    """The lightkube resource type of a kind (built-in, or one of kvtier's CRDs)."""
+    return resource_registry.load(api_version, kind)
 
 
 def to_object(manifest: Manifest) -> Any:

@@ -7,14 +7,24 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from kvtier.agent.config import AgentConfig, parse_config
+from kvtier.agent.config import AgentConfig, ConfigError, parse_config
 from kvtier.agent.units import parse_bytes
-from kvtier.operator.names import API_VERSION, GROUP, agent_name, instance_id, labels
+from kvtier.operator.names import (
+    API_VERSION,
+    GROUP,
+    agent_name,
+    dns_name,
+    instance_id,
+    labels,
+    tier_group,
+)
 from kvtier.operator.settings import OperatorSettings
 
 Manifest = dict[str, Any]
 CONFIG_DIR = "/etc/kvtier"
 TIER_MOUNT = "/var/lib/kvtier/tiers"
+CSI_DRIVER = "csi.kvtier.io"
+TIER_VOLUME = "kvtier"  # the CSI volume's name in agent and vLLM pods
 S3_MOUNT = "/etc/kvtier/s3"
 CURVE_MOUNT = "/etc/kvtier/curve"
 MEMORY_OVERHEAD = 512 << 20  # agent process, page tables, write-back buffers
@@ -41,9 +51,40 @@ def _meta(tier: Manifest, name: str) -> Manifest:
     }
 
 
-def run_dir(tier: Manifest, settings: OperatorSettings) -> str:
+def tier_volume(tier: Manifest) -> Manifest:
+    """The tier's node-local directory (pool and agent socket) as a CSI ephemeral inline
+    volume: the plugin sizes it and sets its group from the KVCacheTier itself."""
+    return {
+        "name": TIER_VOLUME,
+        "csi": {"driver": CSI_DRIVER, "volumeAttributes": {"tier": tier["metadata"]["name"]}},
+    }
+
+
+def agent_image(tier: Manifest, settings: OperatorSettings) -> str:
+    """The image of the agent (and of the plug-in payload): only from allowed registries,
+    since whoever may write a KVCacheTier would otherwise choose what runs on every node."""
+    image = str(tier["spec"].get("agent", {}).get("image", settings.image))
+    own = image == settings.image  # the operator's own, which the chart sets
+    if not own and not any(image.startswith(p) for p in settings.allowed_registries):
+        allowed = ", ".join(settings.allowed_registries) or "none"
+        raise ConfigError(
+            [
+                f"spec.agent.image: {image!r} is not from an allowed registry ({allowed}); "
+                "fix: use an image from one of them, or add its registry to the chart's "
+                "allowedRegistries"
+            ]
+        )
+    return image
+
+
+def nfs_claim_name(tier: Manifest, entry: str) -> str:
+    return dns_name(f"kvtier-{tier['metadata']['name']}-{entry}")
+
+
+def nfs_volume_name(tier: Manifest, entry: str) -> str:
+    """PersistentVolumes are cluster-wide: the name carries the namespace."""
     meta = tier["metadata"]
-    return f"{settings.run_root}/{instance_id(meta['namespace'], meta['name'])}"
+    return dns_name(f"kvtier-{instance_id(meta['namespace'], meta['name'])}-{entry}", 253)
 
 
 def data_path(transports: list[str]) -> str:
@@ -108,12 +149,12 @@ def build_agent_config(tier: Manifest, settings: OperatorSettings) -> AgentConfi
     return parse_config(
         {
             "name": instance_id(meta["namespace"], meta["name"]),
-            "runDir": run_dir(tier, settings),
+            "runDir": f"{settings.tier_mount}/run",
             "host": {
                 "capacity": host["capacity"],
                 "chunkBytes": host.get("chunkSize", "2Mi"),
                 "policy": host.get("policy", "lru"),
-                "poolDir": host.get("poolDir", "/dev/shm/kvtier"),
+                "poolDir": f"{settings.tier_mount}/pool",
             },
             "tiers": tiers,
             "metrics": {"port": agent.get("metricsPort", 9400)},
@@ -160,20 +201,17 @@ _SECRET_FILES = [
 ]
 
 
-def _tier_volumes(spec: Manifest) -> tuple[list[Manifest], list[Manifest]]:
+def _tier_volumes(tier: Manifest) -> tuple[list[Manifest], list[Manifest]]:
+    """Filesystem tiers through claims only (Pod Security `restricted` allows no inline NFS
+    or hostPath volume): the user's claim, or the one the operator makes for an NFS export."""
     volumes: list[Manifest] = []
     mounts: list[Manifest] = []
-    for entry in spec.get("tiers", []):
+    for entry in tier["spec"].get("tiers", []):
         name = entry["name"]
         if "filesystem" in entry:
             fs = entry["filesystem"]
-            if "pvc" in fs:
-                source = {"persistentVolumeClaim": {"claimName": fs["pvc"]["claimName"]}}
-            elif "nfs" in fs:
-                source = {"nfs": {"server": fs["nfs"]["server"], "path": fs["nfs"]["path"]}}
-            else:
-                source = {"hostPath": {"path": fs["hostPath"]["path"], "type": "DirectoryOrCreate"}}
-            volumes.append({"name": f"tier-{name}", **source})
+            claim = fs["pvc"]["claimName"] if "pvc" in fs else nfs_claim_name(tier, name)
+            volumes.append({"name": f"tier-{name}", "persistentVolumeClaim": {"claimName": claim}})
             mounts.append({"name": f"tier-{name}", "mountPath": f"{TIER_MOUNT}/{name}"})
         for backend, field, prefix, keys, root in _SECRET_FILES:
             if field in entry.get(backend, {}):
@@ -199,37 +237,27 @@ def build_daemonset(tier: Manifest, config: AgentConfig, settings: OperatorSetti
     name, spec = tier["metadata"]["name"], tier["spec"]
     agent = spec.get("agent", {})
     port = config.metrics.port
-    tier_volumes, tier_mounts = _tier_volumes(spec)
+    tier_volumes, tier_mounts = _tier_volumes(tier)
     config_hash = hashlib.sha256(config.to_yaml().encode()).hexdigest()[:16]
-    host_dirs = [str(config.run_dir), str(config.host.pool_dir)]
     uid = settings.agent_uid
+    image = agent_image(tier, settings)
     pod_spec: Manifest = {
         "serviceAccountName": agent_name(name),
         "nodeSelector": dict(spec.get("nodeSelector", {})),
         "tolerations": list(spec.get("tolerations", [])),
-        "securityContext": {"runAsUser": uid, "runAsGroup": uid, "runAsNonRoot": True},
-        "initContainers": [
-            {
-                # hostPath directories are created root-owned; hand them to the agent's user.
-                "name": "prepare-host-dirs",
-                "image": agent.get("image", settings.image),
-                "command": ["sh", "-c", f"chown {uid}:{uid} {' '.join(host_dirs)}"],
-                "securityContext": {
-                    "runAsUser": 0,
-                    "runAsNonRoot": False,
-                    "allowPrivilegeEscalation": False,
-                    "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
-                },
-                "volumeMounts": [
-                    {"name": "run", "mountPath": host_dirs[0]},
-                    {"name": "pool", "mountPath": host_dirs[1]},
-                ],
-            }
-        ],
+        # Pod Security `restricted`: non-root, default seccomp; the tier's group opens its
+        # directory, which the CSI plugin made group-only.
+        "securityContext": {
+            "runAsUser": uid,
+            "runAsGroup": uid,
+            "runAsNonRoot": True,
+            "supplementalGroups": [tier_group(tier["metadata"]["namespace"], name)],
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [
             {
                 "name": "agent",
-                "image": agent.get("image", settings.image),
+                "image": image,
                 "args": ["agent", "--config", f"{CONFIG_DIR}/agent.yaml"],
                 "ports": [
                     {"name": "metrics", "containerPort": port},
@@ -265,16 +293,14 @@ def build_daemonset(tier: Manifest, config: AgentConfig, settings: OperatorSetti
                 },
                 "volumeMounts": [
                     {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-                    {"name": "run", "mountPath": host_dirs[0]},
-                    {"name": "pool", "mountPath": host_dirs[1]},
+                    {"name": TIER_VOLUME, "mountPath": settings.tier_mount},
                     *tier_mounts,
                 ],
             }
         ],
         "volumes": [
             {"name": "config", "configMap": {"name": agent_name(name)}},
-            {"name": "run", "hostPath": {"path": host_dirs[0], "type": "DirectoryOrCreate"}},
-            {"name": "pool", "hostPath": {"path": host_dirs[1], "type": "DirectoryOrCreate"}},
+            tier_volume(tier),
             *tier_volumes,
         ],
     }
@@ -347,12 +373,70 @@ def build_rbac(tier: Manifest) -> list[Manifest]:
     ]
 
 
+def volume_labels(tier: Manifest) -> dict[str, str]:
+    """The labels of the tier's cluster-wide PersistentVolumes, which select them for
+    deletion with the tier."""
+    meta = tier["metadata"]
+    return {**labels(meta["name"]), f"{GROUP}/namespace": meta["namespace"]}
+
+
+def build_nfs_volumes(tier: Manifest, settings: OperatorSettings) -> list[Manifest]:
+    """For each NFS filesystem tier, a PersistentVolume of the export (only from the chart's
+    allowedNfsServers: a spec never makes nodes mount an arbitrary address) pre-bound to a
+    claim in the tier's namespace. The PV cannot be owned by the namespaced tier; it carries
+    the tier's labels and is deleted with it."""
+    namespace = tier["metadata"]["namespace"]
+    objects: list[Manifest] = []
+    for i, entry in enumerate(tier["spec"].get("tiers", [])):
+        nfs = entry.get("filesystem", {}).get("nfs")
+        if nfs is None:
+            continue
+        if nfs["server"] not in settings.allowed_nfs_servers:
+            allowed = ", ".join(settings.allowed_nfs_servers) or "none"
+            raise ConfigError(
+                [
+                    f"spec.tiers[{i}].filesystem.nfs.server: {nfs['server']!r} is not an "
+                    f"allowed NFS server ({allowed}); fix: use a PersistentVolumeClaim "
+                    "(filesystem.pvc), or add the server to the chart's allowedNfsServers"
+                ]
+            )
+        claim, volume = nfs_claim_name(tier, entry["name"]), nfs_volume_name(tier, entry["name"])
+        size = str(parse_bytes(entry["filesystem"]["capacity"]))
+        common = {"accessModes": ["ReadWriteMany"], "storageClassName": ""}
+        objects += [
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": volume, "labels": volume_labels(tier)},
+                "spec": {
+                    **common,
+                    "capacity": {"storage": size},
+                    "nfs": {"server": nfs["server"], "path": nfs["path"]},
+                    "persistentVolumeReclaimPolicy": "Retain",
+                    "claimRef": {"namespace": namespace, "name": claim},
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": _meta(tier, claim),
+                "spec": {
+                    **common,
+                    "resources": {"requests": {"storage": size}},
+                    "volumeName": volume,
+                },
+            },
+        ]
+    return objects
+
+
 def build_children(tier: Manifest, settings: OperatorSettings) -> list[Manifest]:
     """Everything the tier owns, in the order to create them."""
     config = build_agent_config(tier, settings)
     return [
         build_configmap(tier, config),
         *build_rbac(tier),
+        *build_nfs_volumes(tier, settings),
         build_service(tier, config),
         build_daemonset(tier, config, settings),
     ]

@@ -12,6 +12,7 @@ import jsonpatch
 
 from kvtier.agent.config import ConfigError
 from kvtier.kube import FIELD_MANAGER, AsyncClient
+from kvtier.operator.builders import volume_labels
 from kvtier.operator.names import agent_name
 from kvtier.operator.reconcile import ensure_children, fetch
 from kvtier.operator.settings import OperatorSettings
@@ -60,6 +61,18 @@ async def reconcile_tier(state: State, tier: Manifest, logger: logging.Logger) -
     if actions:
         logger.info("reconciled: %s", ", ".join(actions))
     return actions
+
+
+async def release_tier(state: State, tier: Manifest, logger: logging.Logger) -> None:
+    """What garbage collection cannot do: the tier's cluster-wide PersistentVolumes (NFS
+    exports) have no owner reference to it, so they are deleted by their labels."""
+    from lightkube.resources.core_v1 import PersistentVolume
+
+    async for volume in state.client.list(PersistentVolume, labels=dict(volume_labels(tier))):
+        name = volume.metadata.name if volume.metadata else None
+        if name:
+            await state.client.delete(PersistentVolume, name)
+            logger.info("deleted PersistentVolume %s", name)
 
 
 async def desired_agents(state: State, tier: Manifest) -> int:

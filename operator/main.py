@@ -76,6 +76,11 @@ async def reconcile(*, body: kopf.Body, logger: Any, **_: Any) -> None:
     await control.reconcile_tier(STATE, dict(body), logger)
 
 
+@kopf.on.delete(*TIERS)
+async def release(*, body: kopf.Body, logger: Any, **_: Any) -> None:
+    await control.release_tier(STATE, dict(body), logger)
+
+
 @kopf.timer(*TIERS, interval=STATE.settings.status_interval_seconds)
 async def report_status(
     *,

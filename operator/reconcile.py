@@ -28,9 +28,9 @@ Manifest = dict[str, Any]
 
 
 async def fetch(
-    client: AsyncClient, api_version: str, kind: str, namespace: str, name: str
+    client: AsyncClient, api_version: str, kind: str, namespace: str | None, name: str
 ) -> Manifest | None:
-    """The object, or None when there is none."""
+    """The object (namespace None: a cluster-wide one), or None when there is none."""
     try:
         found = await client.get(resource_of(api_version, kind), name, namespace=namespace)
     except ApiError as exc:
@@ -81,13 +81,14 @@ async def ensure_children(
     for child in build_children(tier, settings):
         kind, meta = child["kind"], child["metadata"]
         resource = resource_of(child["apiVersion"], kind)
-        current = await fetch(client, child["apiVersion"], kind, meta["namespace"], meta["name"])
+        namespace = meta.get("namespace")
+        current = await fetch(client, child["apiVersion"], kind, namespace, meta["name"])
         if current is not None and (patch := upgrade_patch(current, FIELD_MANAGER)) is not None:
             moved = await client.patch(
                 resource,
                 meta["name"],
                 patch,
-                namespace=meta["namespace"],
+                namespace=namespace,
                 patch_type=PatchType.JSON,
             )
             current = as_dict(moved)

@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from kvtier.agent.fingerprint import differing_components, parse_namespace
 from kvtier.agent.units import format_bytes
 
 Manifest = dict[str, Any]
@@ -31,9 +32,20 @@ def _condition(kind: str, ok: bool, reason: str, message: str, now: str) -> Mani
 
 
 def _model_of(fingerprint: str) -> str:
-    """Namespaces are `<model>-<digest>`: engines of one model with different digests run
-    with different settings and cannot share chunks."""
-    return re.sub(r"-[0-9a-f]{8,}$", "", fingerprint)
+    """Namespaces are `<model>-<digest>.<component tags>` (`<model>-<digest>` before
+    fingerprint version 2): engines of one model with different digests run with different
+    weights or settings and cannot share chunks."""
+    parsed = parse_namespace(fingerprint)
+    return parsed.model if parsed is not None else re.sub(r"-[0-9a-f]{8,}$", "", fingerprint)
+
+
+def _conflict(model: str, fingerprints: Iterable[str]) -> str:
+    """What differs between the engines of one model, by fingerprint component: what
+    `kubectl kvtier explain-miss` shows, e.g. "same model name, different weights"."""
+    differing = differing_components([f for f in fingerprints if _model_of(f) == model])
+    if not differing:
+        return f"engines of {model} run with different settings"
+    return f"engines of {model}: same model name, different {', '.join(differing)}"
 
 
 def aggregate(
@@ -89,7 +101,7 @@ def aggregate(
             "FingerprintConflict",
             bool(conflicts),
             "Conflict" if conflicts else "NoConflict",
-            f"engines of {', '.join(conflicts)} run with different settings and cannot share chunks"
+            "; ".join(_conflict(m, fingerprints) for m in conflicts) + " (cannot share chunks)"
             if conflicts
             else "",
             stamp,

@@ -1,23 +1,29 @@
 """What the mutating webhook does to a vLLM pod, as a pure function of the pod and the
 KVCacheTier that selects it: the JSON patch to apply, or the reason to leave it alone.
 
-Injected: `--kv-transfer-config` (the plug-in's config), the agent's socket and pool
-directories (hostPath, same paths as in the agent), the kvtier plug-in code (an init
-container copies it from the kvtier image into an emptyDir, added to PYTHONPATH), and
-PYTHONHASHSEED so block hashes match across engines. Never privileged mode, host IPC or
-host network. Idempotent: an already injected pod is left as it is.
+Injected: `--kv-transfer-config` (the plug-in's config), the tier's CSI volume (pool and
+agent socket, at the same path as in the agent) with the tier's group added to the pod's
+supplementalGroups, the kvtier plug-in code (an init container copies it from the kvtier
+image into an emptyDir, added to PYTHONPATH), and PYTHONHASHSEED so block hashes match across
+engines. Everything added meets Pod Security `restricted` (a CSI and an emptyDir volume; an
+init container that is non-root, without privilege escalation or capabilities, under the
+default seccomp profile), so injection never lowers a pod's level. Idempotent: an already
+injected pod is left as it is. The pod is changed as a copy and the patch is the difference.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import jsonpatch
+
 from kvtier.agent.transfer_config import build_kv_transfer_config, kv_transfer_config_arg
 from kvtier.agent.units import parse_bytes
-from kvtier.operator.builders import build_agent_config
-from kvtier.operator.names import GROUP
+from kvtier.operator.builders import TIER_VOLUME, agent_image, build_agent_config, tier_volume
+from kvtier.operator.names import GROUP, tier_group
 from kvtier.operator.settings import OperatorSettings
 
 Manifest = dict[str, Any]
@@ -56,21 +62,18 @@ def selects(selector: Manifest, labels: dict[str, str]) -> bool:
     return True
 
 
-def _escape(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
+def _patch(pod: Manifest, changed: Manifest) -> list[Manifest]:
+    return list(jsonpatch.make_patch(pod, changed).patch)
 
 
-def _annotate(pod: Manifest, values: dict[str, str]) -> list[Manifest]:
-    if not pod["metadata"].get("annotations"):
-        return [{"op": "add", "path": "/metadata/annotations", "value": values}]
-    return [
-        {"op": "add", "path": f"/metadata/annotations/{_escape(k)}", "value": v}
-        for k, v in values.items()
-    ]
+def _annotated(pod: Manifest, values: dict[str, str]) -> Manifest:
+    changed = copy.deepcopy(pod)
+    changed["metadata"]["annotations"] = {**(pod["metadata"].get("annotations") or {}), **values}
+    return changed
 
 
 def _skip(pod: Manifest, tier: str, reason: str) -> Mutation:
-    return Mutation(_annotate(pod, {TIER: tier, SKIPPED: reason}), reason)
+    return Mutation(_patch(pod, _annotated(pod, {TIER: tier, SKIPPED: reason})), reason)
 
 
 def mutate_pod(pod: Manifest, tier: Manifest, settings: OperatorSettings) -> Mutation:
@@ -101,68 +104,60 @@ def mutate_pod(pod: Manifest, tier: Manifest, settings: OperatorSettings) -> Mut
         timeout_seconds=float(vllm.get("timeoutSeconds", 2.0)),
         scope=pod["metadata"].get("namespace") if spec.get("isolation") == "namespace" else None,
     )
-    base = f"/spec/containers/{index}"
-    patch: list[Manifest] = []
-    flag = ["--kv-transfer-config", kv_transfer_config_arg(config)]
-    if "args" in container:
-        patch += [{"op": "add", "path": f"{base}/args/-", "value": v} for v in flag]
-    else:
-        patch.append({"op": "add", "path": f"{base}/args", "value": flag})
-    volumes = [
-        {"name": "kvtier-run", "hostPath": {"path": str(agent.run_dir), "type": "Directory"}},
-        {
-            "name": "kvtier-pool",
-            "hostPath": {"path": str(agent.host.pool_dir), "type": "Directory"},
-        },
-        {"name": "kvtier-plugin", "emptyDir": {}},
-    ]
-    mounts = [
-        {"name": "kvtier-run", "mountPath": str(agent.run_dir)},
-        {"name": "kvtier-pool", "mountPath": str(agent.host.pool_dir)},
-        {"name": "kvtier-plugin", "mountPath": PLUGIN_MOUNT, "readOnly": True},
-    ]
-    if "volumes" not in pod["spec"]:
-        patch.append({"op": "add", "path": "/spec/volumes", "value": volumes})
-    else:
-        patch += [{"op": "add", "path": "/spec/volumes/-", "value": v} for v in volumes]
-    if "volumeMounts" not in container:
-        patch.append({"op": "add", "path": f"{base}/volumeMounts", "value": mounts})
-    else:
-        patch += [{"op": "add", "path": f"{base}/volumeMounts/-", "value": m} for m in mounts]
-    patch += _env_patch(container, base)
-    init = {
-        "name": "kvtier-plugin",
-        "image": spec.get("agent", {}).get("image", settings.image),
-        "command": ["cp", "-r", f"{settings.plugin_dir}/.", PLUGIN_MOUNT],
-        "volumeMounts": [{"name": "kvtier-plugin", "mountPath": PLUGIN_MOUNT}],
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-    }
-    if "initContainers" not in pod["spec"]:
-        patch.append({"op": "add", "path": "/spec/initContainers", "value": [init]})
-    else:
-        patch.append({"op": "add", "path": "/spec/initContainers/-", "value": init})
-    patch += _annotate(
+    image = agent_image(tier, settings)
+    changed = _annotated(
         pod,
         {
             TIER: meta["name"],
             INJECTED: json.dumps({"agent": agent.endpoint, "container": target}, sort_keys=True),
         },
     )
-    return Mutation(patch)
+    pod_spec = changed["spec"]
+    container = pod_spec["containers"][index]
+    container["args"] = [*args, "--kv-transfer-config", kv_transfer_config_arg(config)]
+    pod_spec["volumes"] = [
+        *pod_spec.get("volumes", []),
+        tier_volume(tier),
+        {"name": "kvtier-plugin", "emptyDir": {}},
+    ]
+    container["volumeMounts"] = [
+        *container.get("volumeMounts", []),
+        {"name": TIER_VOLUME, "mountPath": settings.tier_mount},
+        {"name": "kvtier-plugin", "mountPath": PLUGIN_MOUNT, "readOnly": True},
+    ]
+    container["env"] = _with_env(container.get("env", []))
+    security = pod_spec.setdefault("securityContext", {})
+    group = tier_group(meta["namespace"], meta["name"])
+    security["supplementalGroups"] = [*security.get("supplementalGroups", []), group]
+    init = {
+        "name": "kvtier-plugin",
+        "image": image,
+        "command": ["cp", "-r", f"{settings.plugin_dir}/.", PLUGIN_MOUNT],
+        "volumeMounts": [{"name": "kvtier-plugin", "mountPath": PLUGIN_MOUNT}],
+        "securityContext": {
+            "runAsUser": settings.agent_uid,
+            "runAsNonRoot": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    pod_spec["initContainers"] = [*pod_spec.get("initContainers", []), init]
+    return Mutation(_patch(pod, changed))
 
 
-def _env_patch(container: Manifest, base: str) -> list[Manifest]:
-    env = {e["name"]: i for i, e in enumerate(container.get("env", []))}
-    wanted = []
-    if "PYTHONPATH" in env:
-        current = container["env"][env["PYTHONPATH"]].get("value", "")
-        value = f"{PLUGIN_MOUNT}:{current}" if current else PLUGIN_MOUNT
-        wanted.append(
-            {"op": "replace", "path": f"{base}/env/{env['PYTHONPATH']}/value", "value": value}
-        )
-    additions = [{"name": "PYTHONPATH", "value": PLUGIN_MOUNT}] if "PYTHONPATH" not in env else []
-    if "PYTHONHASHSEED" not in env:
-        additions.append({"name": "PYTHONHASHSEED", "value": HASH_SEED})
-    if "env" not in container:
-        return [{"op": "add", "path": f"{base}/env", "value": additions}] if additions else []
-    return wanted + [{"op": "add", "path": f"{base}/env/-", "value": e} for e in additions]
+def _with_env(env: list[Manifest]) -> list[Manifest]:
+    """The plug-in on PYTHONPATH (in front of what the pod had) and a fixed PYTHONHASHSEED
+    unless the pod chose one."""
+    names = {e["name"] for e in env}
+    result = [
+        {**e, "value": f"{PLUGIN_MOUNT}:{e['value']}" if e.get("value") else PLUGIN_MOUNT}
+        if e["name"] == "PYTHONPATH"
+        else e
+        for e in env
+    ]
+    if "PYTHONPATH" not in names:
+        result.append({"name": "PYTHONPATH", "value": PLUGIN_MOUNT})
+    if "PYTHONHASHSEED" not in names:
+        result.append({"name": "PYTHONHASHSEED", "value": HASH_SEED})
+    return result

@@ -134,7 +134,7 @@ def test_good_tier_is_admitted_with_defaults() -> None:
                         "name": "fs",
                         "filesystem": {
                             "capacity": "1Ti",
-                            "hostPath": {"path": "/x"},
+                            "pvc": {"claimName": "kv"},
                             "lowWatermark": 0.95,
                         },
                     }
@@ -146,7 +146,7 @@ def test_good_tier_is_admitted_with_defaults() -> None:
         (
             {"tiers": [{"name": "fs", "filesystem": {"capacity": "1Ti"}}]},
             "spec.tiers[0].filesystem",
-            "exactly one of pvc, nfs or hostPath",
+            "exactly one of pvc or nfs",
         ),
         ({"isolation": "cluster"}, "spec.isolation", "is not one of"),
     ],

@@ -33,7 +33,6 @@ TIER: dict[str, Any] = {
             "capacity": "8Gi",
             "chunkSize": "2Mi",
             "policy": "lru",
-            "poolDir": "/dev/shm/kvtier",
         },
         "vllm": {"cpuBytes": "4Gi", "timeoutSeconds": 2},
     },

@@ -17,12 +17,15 @@ import yaml
 
 from kvtier.agent.config import ConfigError, parse_config
 from kvtier.operator.builders import build_agent_config, build_children
+from kvtier.operator.names import tier_group
 from kvtier.operator.settings import OperatorSettings
 from kvtier.operator.status import aggregate, merge_conditions, transitions
 from kvtier.operator.webhook import INJECTED, SKIPPED, mutate_pod, selects
 from tests.apiserver_rules import admit, load_crd
 
-SETTINGS = OperatorSettings(image="registry.local/kvtier:test")
+SETTINGS = OperatorSettings(
+    image="registry.local/kvtier:test", allowed_nfs_servers=["nfs.storage.svc.cluster.local"]
+)
 RESOURCE: dict[str, Any] = {
     "apiVersion": "kvtier.io/v1alpha1",
     "kind": "KVCacheTier",
@@ -81,7 +84,8 @@ def test_configmap_holds_an_agent_config_the_agent_accepts() -> None:
     config_map = by_kind(build_children(tier(), SETTINGS))["ConfigMap"]
     config = parse_config(yaml.safe_load(config_map["data"]["agent.yaml"]))
     assert config.name == "inference-llama"
-    assert str(config.run_dir) == "/run/kvtier/inference-llama"
+    assert str(config.run_dir) == "/var/run/kvtier/run"
+    assert str(config.host.pool_dir) == "/var/run/kvtier/pool"
     assert config.host.policy == "arc" and config.host.chunk_bytes == 2 << 20
     fs, s3 = config.tiers
     assert (
@@ -106,7 +110,14 @@ def test_daemonset_runs_unprivileged_with_volumes_probes_and_sized_memory() -> N
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["tier-shared-fs"]["persistentVolumeClaim"] == {"claimName": "kv"}
     assert volumes["s3-s3"]["secret"]["secretName"] == "s3-creds"
-    assert volumes["run"]["hostPath"]["path"] == "/run/kvtier/inference-llama"
+    assert volumes["kvtier"]["csi"] == {
+        "driver": "csi.kvtier.io",
+        "volumeAttributes": {"tier": "llama"},
+    }
+    assert "hostPath" not in json.dumps(pod) and "initContainers" not in pod
+    mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
+    assert mounts["kvtier"] == "/var/run/kvtier"
+    assert pod["securityContext"]["supplementalGroups"] == [tier_group("inference", "llama")]
     assert agent["readinessProbe"]["httpGet"]["path"] == "/metrics"
     memory = int(agent["resources"]["requests"]["memory"])
     assert memory == (8 << 30) + (512 << 20) == int(agent["resources"]["limits"]["memory"])
@@ -241,12 +252,18 @@ def test_pod_gets_the_connector_mounts_plugin_and_hash_seed() -> None:
     config = json.loads(container["args"][flag + 1])
     extra = config["kv_connector_extra_config"]
     assert config["kv_connector"] == "OffloadingConnector"
-    assert extra["secondary_tiers"][0]["agent"] == "ipc:///run/kvtier/inference-llama/agent.sock"
+    assert extra["secondary_tiers"][0]["agent"] == "ipc:///var/run/kvtier/run/agent.sock"
     assert extra["cpu_bytes_to_use"] == 4 << 30 and extra["canonical_layout"] is True
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["PYTHONPATH"] == "/opt/kvtier-plugin:/app" and env["PYTHONHASHSEED"] == "0"
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert {"/run/kvtier/inference-llama", "/dev/shm/kvtier", "/opt/kvtier-plugin"} <= mounts
+    assert {"/var/run/kvtier", "/opt/kvtier-plugin"} <= mounts
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["kvtier"]["csi"]["volumeAttributes"] == {"tier": "llama"}
+    assert "hostPath" not in json.dumps(pod)
+    assert pod["spec"]["securityContext"]["supplementalGroups"] == [
+        tier_group("inference", "llama")
+    ]
     (init,) = pod["spec"]["initContainers"]
     assert init["image"] == "registry.local/kvtier:test"
     assert INJECTED in pod["metadata"]["annotations"]

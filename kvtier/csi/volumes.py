@@ -1,0 +1,137 @@
+"""The node plugin's volumes: per node and tier one size-limited tmpfs (the shared pool and
+the agent's socket directory), created on the first publish for that tier, bind-mounted into
+each pod of the tier, and freed when the tier is gone and no pod uses it any more.
+
+The tier directory belongs to root and the tier's group, with setgid directories and
+group-only modes: any uid holding the group (root, the agent's 65532, OpenShift's random
+uids) works in it, no other uid does, and files created in it keep the tier's group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.csi.mounts import (
+    MS_BIND,
+    MS_NODEV,
+    MS_NOSUID,
+    MS_RDONLY,
+    MS_REMOUNT,
+    mount,
+    mount_at,
+    mounts,
+    unmount,
+)
+
+log = logging.getLogger("kvtier.csi")
+DIR_MODE = 0o2770  # setgid: what is created inside keeps the tier's group
+SUBDIRS = ("pool", "run")  # the agent's poolDir and runDir inside the volume
+HEADROOM = 64 << 20  # beyond the pool: the socket, lock files, a pool being re-created
+
+
+@dataclass(frozen=True)
+class TierVolume:
+    """What a tier's directory must be, read from the KVCacheTier itself (never from the
+    pod's volume attributes, which any tenant writes)."""
+
+    name: str  # directory name, unique per namespace and tier
+    size_bytes: int
+    gid: int
+
+
+class Volumes:
+    def __init__(self, state_dir: Path, target_root: Path) -> None:
+        self.state_dir = state_dir
+        self.target_root = target_root
+        state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(state_dir, 0o711)  # tier directories are reached by exact name only
+
+    def tier_path(self, volume: TierVolume) -> Path:
+        return self.state_dir / volume.name
+
+    def ensure(self, volume: TierVolume) -> Path:
+        """The tier's tmpfs, mounted once per node; resized when the tier's size changed."""
+        path = self.tier_path(volume)
+        options = f"size={volume.size_bytes},mode={DIR_MODE:o},uid=0,gid={volume.gid}"
+        current = mount_at(path)
+        if current is None:
+            path.mkdir(mode=0o700, exist_ok=True)
+            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, options)
+            log.info(
+                "tier volume %s created (%d bytes, gid %d)",
+                volume.name,
+                volume.size_bytes,
+                volume.gid,
+            )
+        elif f"size={volume.size_bytes // 1024}k" not in current.options:
+            mount("tmpfs", path, "tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV, options)
+        for sub in SUBDIRS:
+            sub_path = path / sub
+            sub_path.mkdir(exist_ok=True)
+            os.chown(sub_path, 0, volume.gid)
+            os.chmod(sub_path, DIR_MODE)
+        return path
+
+    def check_target(self, target: Path) -> Path:
+        """Only paths under kubelet's pods directory are published to or unpublished."""
+        resolved = Path(os.path.normpath(target))
+        if not resolved.is_absolute() or not resolved.is_relative_to(self.target_root):
+            raise ValueError(f"target path {target} is not under {self.target_root}")
+        return resolved
+
+    def publish(self, volume: TierVolume, target: Path, readonly: bool) -> None:
+        """Idempotent: a target already holding this tier's directory is left as it is."""
+        target = self.check_target(target)
+        source = self.ensure(volume)
+        tier_mount = mount_at(source)
+        existing = mount_at(target)
+        if existing is not None and tier_mount is not None and existing.device == tier_mount.device:
+            return
+        if existing is not None:
+            raise FileExistsError(f"{target} already holds another volume")
+        target.mkdir(parents=True, exist_ok=True)
+        mount(str(source), target, None, MS_BIND)
+        if readonly:
+            mount(str(source), target, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+
+    def unpublish(self, target: Path) -> None:
+        """Idempotent: an unmounted or missing target is a success, as CSI requires."""
+        target = self.check_target(target)
+        while mount_at(target) is not None:
+            unmount(target)
+        if target.is_dir():
+            target.rmdir()
+
+    def in_use(self, path: Path) -> bool:
+        tier_mount = mount_at(path)
+        if tier_mount is None:
+            return False
+        return any(m.device == tier_mount.device and m.point != path for m in mounts())
+
+    def sweep(self, live: set[str]) -> list[str]:
+        """Frees the directories of tiers not in `live` that no pod mounts any more;
+        returns their names."""
+        freed = []
+        for path in sorted(self.state_dir.iterdir()):
+            if path.name in live or self.in_use(path):
+                continue
+            if mount_at(path) is not None:
+                unmount(path)
+            path.rmdir()
+            freed.append(path.name)
+            log.info("tier volume %s freed", path.name)
+        return freed
+
+
+def remove_legacy_pools(directory: Path) -> list[str]:
+    """Pools that earlier versions left in a node's /dev/shm/kvtier (a hostPath): removed,
+    with the directory, since nothing uses that path any more."""
+    if not directory.is_dir():
+        return []
+    removed = sorted(p.name for p in directory.iterdir())
+    shutil.rmtree(directory)
+    return removed
