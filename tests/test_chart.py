@@ -91,17 +91,56 @@ def test_crds_come_from_the_single_source() -> None:
     )
 
 
-def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    return next(o for o in objects if o["kind"] == kind)
+def by_kind(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    """The object of a kind (the first, or the one of that name)."""
+    return next(o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"]))
 
 
 def test_rbac_is_least_privilege() -> None:
-    role = by_kind(render(), "ClusterRole")
+    role = by_kind(render(), "ClusterRole", "kv-kvtier")
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
-        assert "delete" not in rule["verbs"]
+        # It deletes only the NFS PersistentVolumes it made (no owner can collect them).
+        assert "delete" not in rule["verbs"] or rule["resources"] == ["persistentvolumes"]
     secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
     assert secrets and all(r["verbs"] == ["get"] for r in secrets)
+    csi = by_kind(render(), "ClusterRole", "kv-kvtier-csi")
+    assert csi["rules"] == [
+        {"apiGroups": ["kvtier.io"], "resources": ["kvcachetiers"], "verbs": ["get", "list"]}
+    ]
+
+
+def test_only_the_csi_plugin_is_privileged() -> None:
+    """The CSI node plugin is the one privileged pod (the release namespace's Pod Security
+    level is `privileged` for it); the operator's pod meets `restricted`."""
+    from tests.pod_security import restricted
+
+    objects = render()
+    driver = by_kind(objects, "CSIDriver", "csi.kvtier.io")["spec"]
+    assert driver == {
+        "attachRequired": False,
+        "podInfoOnMount": True,
+        "volumeLifecycleModes": ["Ephemeral"],
+        "fsGroupPolicy": "None",
+    }
+    plugin = by_kind(objects, "DaemonSet", "kv-kvtier-csi")["spec"]["template"]["spec"]
+    names = [c["name"] for c in plugin["containers"]]
+    assert names == ["plugin", "node-driver-registrar"]
+    assert plugin["containers"][0]["securityContext"]["privileged"] is True
+    mounts = {m["name"]: m for m in plugin["containers"][0]["volumeMounts"]}
+    assert mounts["pods-dir"]["mountPropagation"] == "Bidirectional"
+    operator = by_kind(objects, "Deployment")["spec"]["template"]["spec"]
+    assert restricted(operator) == []
+    privileged = [
+        o["metadata"]["name"]
+        for o in objects
+        if o["kind"] in {"Deployment", "DaemonSet"}
+        and any(
+            (c.get("securityContext") or {}).get("privileged")
+            for c in o["spec"]["template"]["spec"]["containers"]
+        )
+    ]
+    assert privileged == ["kv-kvtier-csi"]
 
 
 def test_webhook_never_blocks_pods_and_has_a_ca() -> None:
