@@ -13,10 +13,9 @@ turns lookups into misses and stores into dropped jobs, counted and logged once 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -43,10 +42,12 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
+from kvtier.agent.fingerprint import describe, engine_fingerprint, with_hash_seed
 
-log = logging.getLogger("kvtier.vllm")
+# A child of vLLM's own logger: vLLM configures only "vllm" (its handler, format and
+# VLLM_LOGGING_LEVEL), so this is how the plug-in's lines reach a vLLM user's output.
+log = logging.getLogger("vllm.kvtier")
 
-FINGERPRINT_VERSION = 1
 EVENTS_POLL_SECONDS = 0.5
 
 
@@ -66,49 +67,32 @@ class Metrics:
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
-def run_fingerprint(offloading_spec: Any) -> dict[str, Any]:
-    """What two engines must agree on for their chunks to be interchangeable.
+def engine_vllm_config(model: str) -> Any | None:
+    """The VllmConfig of the engine creating this tier, or None.
 
-    The block-hash seed is represented by a digest of vLLM's NONE_HASH, which covers both
-    the hash algorithm and the PYTHONHASHSEED-derived seed; it is only set once the engine
-    core has started, which is why the fingerprint is computed on first use.
+    vLLM hands a tier only its normalised OffloadingConfig, which names the model but not
+    the config vLLM resolved for it (hf_overrides applied) nor where its weights are. The
+    tier is created inside the offloading connector's scheduler constructor, whose
+    `vllm_config` argument is on the stack; vLLM's current config, when one is set, is the
+    other place to find it. A config for another model is never taken.
     """
-    config = offloading_spec.config
-    fields: dict[str, Any] = {
-        "version": FINGERPRINT_VERSION,
-        "model": config.model.name,
-        "dtype": str(config.model.dtype),
-        "tokens_per_hash": config.cache.tokens_per_hash,
-        "blocks_per_chunk": config.cache.blocks_per_chunk,
-        "row_bytes": int(getattr(offloading_spec, "kv_bytes_per_chunk", 0)),
-        "groups": [
-            {"tokens_per_block": g.tokens_per_block, "layers": len(g.layer_names)}
-            for g in config.groups
-        ],
-    }
-    parallel = config.parallel
-    if getattr(config, "canonical_layout", False):
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
-            canonical_format_id,
-        )
+    from vllm import config as vllm_config_module
 
-        fields["canonical_format"] = canonical_format_id(config.kv_cache_layout)
-    elif not parallel.is_parallelism_agnostic:
-        # Without the canonical layout a row depends on how the model is sharded.
-        fields["parallel"] = [parallel.tp_size, parallel.pp_size, parallel.rank]
-    from vllm.v1.core import kv_cache_utils
-
-    none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
-    fields["none_hash"] = (
-        hashlib.sha256(bytes(none_hash)).hexdigest()[:16] if none_hash is not None else "unset"
-    )
-    return fields
-
-
-def namespace_of(fingerprint: dict[str, Any]) -> str:
-    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
-    model = "".join(c if c.isalnum() or c in "._-" else "_" for c in fingerprint["model"])
-    return f"{model[-40:]}-{digest[:20]}"
+    candidates = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidates.append(frame.f_locals.get("vllm_config"))
+        frame = frame.f_back  # type: ignore[assignment]
+    current = getattr(vllm_config_module, "get_current_vllm_config_or_none", None)
+    if current is not None:
+        candidates.append(current())
+    for candidate in candidates:
+        if (
+            isinstance(candidate, vllm_config_module.VllmConfig)
+            and getattr(candidate.model_config, "model", None) == model
+        ):
+            return candidate
+    return None
 
 
 SOURCE_PARAM = "kvtier_source"
@@ -190,24 +174,36 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._next_events_poll = 0.0
         self._stats_lock = threading.Lock()
         self._stats: list[tuple[str, str, float, tuple[str, ...]]] = []
+        self._vllm_config = engine_vllm_config(offloading_spec.config.model.name)
+        self._fingerprint = engine_fingerprint(
+            offloading_spec.config, self._vllm_config, self._row_bytes, scope
+        )
         self._namespace: str | None = None
-        self._scope = scope
         self._available: bool | None = None
         self._refusals: set[str] = set()
         self._connect_lock = threading.Lock()
         self._lookup = _AgentLookup(self)
         log.info("kvtier tier %s: agent %s, rows of %d bytes", tier_type, agent, self._row_bytes)
+        if self._vllm_config is None:
+            log.warning(
+                "kvtier: vLLM's model config for %s was not found; without it the weights "
+                "and config cannot be fingerprinted, so this engine shares no chunks",
+                offloading_spec.config.model.name,
+            )
+        log.info(
+            "kvtier fingerprint (the hash seed is added on the first request): %s",
+            describe(self._fingerprint),
+        )
 
     # --- the agent connection (worker threads only) ---------------------------------------
 
     @property
     def namespace(self) -> str:
+        """Computed on first use: the hash seed exists only once the engine core runs."""
         if self._namespace is None:
-            fingerprint = run_fingerprint(self._offloading_spec)
-            if self._scope:
-                fingerprint["scope"] = self._scope  # isolation: namespace
-            self._namespace = namespace_of(fingerprint)
-            log.info("kvtier namespace %s for %s", self._namespace, json.dumps(fingerprint))
+            fingerprint = with_hash_seed(self._fingerprint, self._vllm_config)
+            self._namespace = fingerprint.namespace
+            log.info("kvtier namespace %s: %s", self._namespace, describe(fingerprint))
         return self._namespace
 
     def _connected(self) -> AgentClient:
@@ -453,4 +449,4 @@ class KVTierSecondaryTier(SecondaryTierManager):
             self._stats.append((kind, name, value, labels))
 
 
-__all__ = ["KVTierSecondaryTier", "namespace_of", "run_fingerprint"]
+__all__ = ["KVTierSecondaryTier", "engine_vllm_config"]

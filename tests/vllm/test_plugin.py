@@ -13,9 +13,11 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
+from kvtier.agent.fingerprint import differing_components
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.vllm import KVTierSecondaryTier
 from kvtier.bench.vllm_scheduler import Engine, chunk_key, chunk_row
+from tests.vllm.conftest import engine_of
 
 HIT, MISS, RETRY, PENDING = (
     LookupResult.HIT,
@@ -81,12 +83,13 @@ def test_other_fingerprint_gets_no_hits_and_is_reported(
     with AgentClient(agent_config.endpoint) as client:
         namespaces = client.stats()["namespaces"]
     assert sorted(namespaces.values()) == [1, 2]
-    assert fp16.tier.namespace != bf16.tier.namespace
     assert set(namespaces) == {fp16.tier.namespace, bf16.tier.namespace}
+    # what `kubectl kvtier explain-miss` reports: same model, other KV-cache dtype
+    assert differing_components(list(namespaces)) == ["dtype"]
 
 
 def test_namespace_isolation_separates_engines(
-    agent_config: AgentConfig, agent_factory: StartAgent
+    agent_config: AgentConfig, agent_factory: StartAgent, vllm_config: Any
 ) -> None:
     from kvtier.bench.vllm_scheduler import kvtier_extra_config
 
@@ -95,7 +98,7 @@ def test_namespace_isolation_separates_engines(
     for scope in ("team-a", "team-b"):
         extra = kvtier_extra_config(agent_config, 16)
         extra["secondary_tiers"][0]["scope"] = scope
-        made.append(Engine(extra))
+        made.append(engine_of(vllm_config, extra))
     try:
         made[0].store([7])
         assert made[1].lookup([7])[0] == [MISS]
@@ -178,7 +181,10 @@ def test_store_jobs_report_bytes(
 
 
 def test_direct_mode_from_kv_transfer_params(
-    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+    make_config: Callable[..., AgentConfig],
+    agent_factory: StartAgent,
+    scratch: Path,
+    vllm_config: Any,
 ) -> None:
     """P/D: the decode engine's request names the prefill node's agent in its
     kv_transfer_params; the decode node's agent fetches the chunks from it."""
@@ -208,8 +214,8 @@ def test_direct_mode_from_kv_transfer_params(
     agent_factory(prefill_agent)
     agent_factory(decode_agent)
     source = json.loads((scratch / "reg-prefill" / "prefill.json").read_text())["endpoint"]
-    prefill = Engine(kvtier_extra_config(prefill_agent, 16))
-    decode = Engine(kvtier_extra_config(decode_agent, 16))
+    prefill = engine_of(vllm_config, kvtier_extra_config(prefill_agent, 16))
+    decode = engine_of(vllm_config, kvtier_extra_config(decode_agent, 16))
     try:
         prefill.store([1, 2, 3])
         time.sleep(0.5)  # the prefill agent seals the chunks (checksums travel with them)
