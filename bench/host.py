@@ -34,8 +34,11 @@ KiB, MiB = 1 << 10, 1 << 20
 
 
 @contextmanager
-def bench_agent(chunk_bytes: int, slots: int) -> Iterator[AgentConfig]:
-    scratch = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
+def bench_agent(
+    chunk_bytes: int, slots: int, directory: Path | None = None
+) -> Iterator[AgentConfig]:
+    """An agent whose pool and socket live in `directory` (a tmpfs; /dev/shm by default)."""
+    scratch = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=directory or "/dev/shm"))
     try:
         config = scratch_config(scratch, "bench", PAGE + slots * (chunk_bytes + PAGE), chunk_bytes)
         with AgentProcess(config):
@@ -69,13 +72,15 @@ def _load_worker(
     return work
 
 
-def copy_cases(row: int, threads: int, duration: float, rounds: int) -> list[dict[str, Any]]:
+def copy_cases(
+    row: int, threads: int, duration: float, rounds: int, directory: Path | None = None
+) -> list[dict[str, Any]]:
     rows = max(1, BATCH_BYTES // row)
     srcs = [shared_buffer(rows * row) for _ in range(threads)]
     # The store baseline walks as many rows as the pool has slots per thread.
     pool_like = [tmpfs_buffer(3 * rows * row) for _ in range(threads)]
     results = []
-    with bench_agent(row, slots=threads * rows * 3) as config:
+    with bench_agent(row, slots=threads * rows * 3, directory=directory) as config:
         clients = [AgentClient(config.endpoint, timeout=30).connect() for _ in range(threads)]
         ids = itertools.count()
         pairs = list(zip(clients, srcs, pool_like, strict=True))

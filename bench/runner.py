@@ -160,8 +160,43 @@ def render_peers(result: dict[str, Any], console: Console) -> None:
     )
 
 
+def render_csi(result: dict[str, Any], console: Console) -> None:
+    if "skipped" in result:
+        console.print(f"csi benchmark skipped: {result['skipped']}")
+        return
+    table = Table(title="CSI plugin: NodePublishVolume over gRPC")
+    for col in ("first publish ms", "publish p50 ms", "publish p99 ms", "unpublish p50 ms"):
+        table.add_column(col, justify="right")
+    r = result
+    table.add_row(
+        *(
+            f"{r[k]:.2f}"
+            for k in ("first_publish_ms", "publish_p50_ms", "publish_p99_ms", "unpublish_p50_ms")
+        )
+    )
+    console.print(table)
+    pool = Table(title="host tier: pool in the CSI volume vs plain tmpfs (ratios to memcpy)")
+    for col in ("row", "store tmpfs", "store bind", "ratio", "load tmpfs", "load bind", "ratio"):
+        pool.add_column(col, justify="right")
+    for p in result["pool"]:
+        pool.add_row(
+            format_bytes(p["row_bytes"]),
+            *(
+                f"{p[f'{op}_{k}']:.2f}"
+                for op in ("store", "load")
+                for k in ("tmpfs_gbps", "bind_gbps", "ratio_bind_vs_tmpfs")
+            ),
+        )
+    console.print(pool)
+
+
 def run_benchmark(target: str, quick: bool, as_json: bool, out: Path | None) -> int:
-    if target == "host":
+    if target == "csi":
+        from kvtier.bench import csi
+
+        result = csi.run(quick)
+        render = render_csi
+    elif target == "host":
         from kvtier.bench import host
 
         result = host.run(quick)

@@ -256,10 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "target",
-        choices=["host", "tiers", "peers", "vllm"],
+        choices=["host", "tiers", "peers", "vllm", "csi"],
         help="host: the client<->agent pool path; tiers: filesystem and S3 tiers; "
         "peers: another node's agent vs raw TCP; "
-        "vllm: kvtier vs vLLM's native fs tier inside vLLM's tiering manager",
+        "vllm: kvtier vs vLLM's native fs tier inside vLLM's tiering manager; "
+        "csi: the CSI plugin's publish latency and the pool through its volume (root)",
     )
     bench.add_argument("--quick", action="store_true", help="short run (under a minute)")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")

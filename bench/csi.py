@@ -1,0 +1,124 @@
+"""The CSI node plugin's cost: NodePublishVolume latency over its gRPC socket (as kubelet
+calls it; the first publish of a tier creates its tmpfs, later ones only bind-mount it), and
+the host tier's copy speed with its pool inside a published tier volume against the same
+agent on a plain tmpfs, in one run. The speeds are compared as each one's ratio to a raw
+memcpy measured in the same call, so the machine's drift cancels. Needs root (mounts)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvtier.bench.host import MiB, copy_cases
+from kvtier.csi.messages import message
+from kvtier.csi.mounts import mounts, unmount
+from kvtier.csi.server import NodePlugin, serve
+from kvtier.csi.volumes import Volumes
+
+NAMESPACE, TIER = "bench", "llama"
+
+
+class StaticTiers:
+    """One KVCacheTier, without an API server: what is timed is the plugin's own work."""
+
+    def __init__(self, capacity: str) -> None:
+        self.tier = {"spec": {"host": {"capacity": capacity}}}
+
+    def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.tier if (namespace, name) == (NAMESPACE, TIER) else None
+
+    def names(self) -> set[tuple[str, str]]:
+        return {(NAMESPACE, TIER)}
+
+
+def _percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+def run(quick: bool) -> dict[str, Any]:
+    if os.geteuid() != 0:
+        return {"benchmark": "csi", "quick": quick, "skipped": "needs root (mount)"}
+    base = Path(tempfile.mkdtemp(prefix="kv-csi-"))  # short: the agent's socket lies below
+    pods = base / "p"
+    pods.mkdir()
+    plugin = NodePlugin("bench", Volumes(base / "state", pods), StaticTiers("2Gi"))
+    server = serve(plugin, f"unix://{base}/csi.sock")
+    channel = grpc.insecure_channel(f"unix://{base}/csi.sock")
+    try:
+        call = {
+            name: channel.unary_unary(
+                f"/csi.v1.Node/{name}",
+                request_serializer=message(f"{name}Request").SerializeToString,
+                response_deserializer=message(f"{name}Response").FromString,
+            )
+            for name in ("NodePublishVolume", "NodeUnpublishVolume")
+        }
+        publish, unpublish = [], []
+        targets = []
+        for i in range(20 if quick else 100):
+            target = pods / str(i) / "mount"
+            started = time.perf_counter()
+            call["NodePublishVolume"](
+                message("NodePublishVolumeRequest")(
+                    volume_id=f"csi-{i}",
+                    target_path=str(target),
+                    volume_capability={"mount": {}, "access_mode": {"mode": 1}},
+                    volume_context={"tier": TIER, "csi.storage.k8s.io/pod.namespace": NAMESPACE},
+                ),
+                timeout=10,
+            )
+            publish.append(time.perf_counter() - started)
+            targets.append(target)
+        speeds = _pool_speeds(targets[0] / "pool", quick)
+        for target in targets:
+            started = time.perf_counter()
+            call["NodeUnpublishVolume"](
+                message("NodeUnpublishVolumeRequest")(volume_id="x", target_path=str(target)),
+                timeout=10,
+            )
+            unpublish.append(time.perf_counter() - started)
+    finally:
+        channel.close()
+        server.stop(0).wait()
+        for point in sorted(
+            (m.point for m in mounts() if m.point.is_relative_to(base)), reverse=True
+        ):
+            unmount(point)
+        shutil.rmtree(base, ignore_errors=True)
+    later = publish[1:]
+    return {
+        "benchmark": "csi",
+        "quick": quick,
+        "first_publish_ms": publish[0] * 1e3,
+        "publish_p50_ms": statistics.median(later) * 1e3,
+        "publish_p99_ms": _percentile(later, 0.99) * 1e3,
+        "unpublish_p50_ms": statistics.median(unpublish) * 1e3,
+        "pool": speeds,
+        "bind_vs_tmpfs_store": min(s["store_ratio_bind_vs_tmpfs"] for s in speeds),
+        "bind_vs_tmpfs_load": min(s["load_ratio_bind_vs_tmpfs"] for s in speeds),
+    }
+
+
+def _pool_speeds(published: Path, quick: bool) -> list[dict[str, Any]]:
+    """Per row size, store and load of the host tier with its pool on a plain tmpfs and in
+    the published volume, each as its ratio to memcpy in the same call."""
+    duration, rounds = (0.25, 2) if quick else (0.6, 3)
+    out = []
+    for row in (1 * MiB, 32 * MiB) if quick else (1 * MiB, 4 * MiB, 32 * MiB):
+        plain = {c["op"]: c for c in copy_cases(row, 1, duration, rounds)}
+        bound = {c["op"]: c for c in copy_cases(row, 1, duration, rounds, directory=published)}
+        entry: dict[str, Any] = {"row_bytes": row}
+        for op in ("store", "load"):
+            entry[f"{op}_tmpfs_gbps"] = plain[op]["kvtier_gbps"]
+            entry[f"{op}_bind_gbps"] = bound[op]["kvtier_gbps"]
+            entry[f"{op}_ratio_bind_vs_tmpfs"] = bound[op]["ratio"] / plain[op]["ratio"]
+        out.append(entry)
+    return out
