@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import xxhash
 
 from kvtier.agent.pool import SLOT_HEADER_BYTES
+from kvtier.agent.protocol import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES
 
 CHUNK_MAGIC = b"KVTC"
 CHUNK_VERSION = 1
-MAX_NAMESPACE_BYTES = 256
-MAX_KEY_BYTES = 1024
 _FIXED = struct.Struct("<4sHBxQQHH")  # magic, version, state, length, checksum, ns len, key len
 HEADER_BYTES = SLOT_HEADER_BYTES
 

@@ -6,7 +6,14 @@ several threads copy in parallel). Imports only numpy, pyzmq and msgspec, which 
 
 Every call either answers within `timeout` or raises AgentUnavailable; the caller turns that
 into a cache miss. After a timeout the socket is rebuilt, so a late reply from a stalled
-agent can never be taken for the answer to a later request.
+agent can never be taken for the answer to a later request. Every OS error of connecting or
+mapping the pool is an AgentUnavailable too: a client that cannot reach the pool gets misses.
+
+A client says hello before anything else, and again whenever the agent answers that its
+connection is not registered (the agent restarted, or the socket was rebuilt): lookups and
+new leases then go through, while a commit of a lease granted before fails with LeaseLost,
+as that lease is void. A load checks each slot's generation after copying it and reports a
+chunk whose slot changed hands meanwhile as not loaded.
 """
 
 from __future__ import annotations
@@ -16,12 +23,14 @@ import itertools
 import os
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -33,11 +42,21 @@ _RID = struct.Struct("<Q")
 
 
 class AgentUnavailable(ConnectionError):
-    """The agent did not answer in time; the caller treats it as a miss."""
+    """The agent did not answer in time, or its socket or pool cannot be reached; the
+    caller treats it as a miss."""
 
 
 class AgentRefused(AgentUnavailable):
     """The agent answered with an error: the request itself was wrong."""
+
+
+class LeaseLost(AgentUnavailable):
+    """The lease a call names is void (it expired, or the agent restarted since it was
+    granted): the store or load it covered did not happen."""
+
+
+class _NotRegistered(Exception):
+    """The agent does not know this connection: say hello again."""
 
 
 @dataclass(frozen=True)
@@ -53,11 +72,13 @@ class LookupResult:
 @dataclass(frozen=True)
 class Grant:
     """Slots granted for a store or a load: `slots[i]` is a slot number, or negative when
-    key i is not to be copied (see kvtier.agent.index for the codes)."""
+    key i is not to be copied (see kvtier.agent.index for the codes); `generations[i]` the
+    stamp slot i keeps while the grant holds."""
 
     lease: int
     slots: list[int]
     where: list[int]
+    generations: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -79,6 +100,7 @@ class AgentClient:
             raise ValueError(f"agent endpoint must be ipc://PATH, got {endpoint!r}")
         self.endpoint = endpoint
         self.run_dir = Path(endpoint.removeprefix("ipc://")).parent
+        self.timeout = timeout
         self.timeout_ms = int(timeout * 1000)
         self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -92,18 +114,37 @@ class AgentClient:
     # --- connection ----------------------------------------------------------------------
 
     def connect(self) -> AgentClient:
-        """Say hello and map the pool. Call again after the agent restarted: a pool file
-        that was recreated (another geometry) is mapped anew."""
-        if self._lock is None:
-            self._lock = ClientLock(self.run_dir / "clients", self.client_id)
-        reply = self._call(p.Hello(self.client_id, self._lock.path.name), p.HelloReply)
-        path = Path(reply.pool)
-        if self.pool is None or self.pool.path != path or self.pool.inode != path.stat().st_ino:
-            if self.pool is not None:
-                self.pool.close()
-            self.pool = PoolMap.open(path)
-        self.hello = reply
+        """Say hello and map the pool. A pool file that was recreated (another geometry) is
+        mapped anew."""
+        with self._io_lock:
+            self._connect_locked(time.monotonic() + self.timeout)
         return self
+
+    def _connect_locked(self, deadline: float) -> None:
+        try:
+            if self._lock is None:
+                self._lock = ClientLock(self.run_dir / "clients", self.client_id)
+            reply = self._exchange(
+                p.Hello(self.client_id, self._lock.path.name), p.HelloReply, deadline
+            )
+            path = Path(reply.pool)
+            pool = self.pool
+            if pool is None or pool.path != path or pool.inode != path.stat().st_ino:
+                if pool is not None:
+                    self.pool = None
+                    pool.close()
+                pool = self.pool = PoolMap.open(path)
+        except (AgentUnavailable, _NotRegistered):
+            raise
+        except (OSError, ValueError) as exc:
+            raise AgentUnavailable(
+                f"cannot use the agent at {self.endpoint} or its pool: {exc}; the pod needs "
+                "the tier's volume and its group"
+            ) from exc
+        geometry = pool.geometry
+        if (geometry.payload_bytes, geometry.slot_count) != (reply.payload_bytes, reply.slot_count):
+            raise AgentUnavailable(f"pool {path} does not have the geometry the agent announced")
+        self.hello = reply
 
     def close(self) -> None:
         if self._sock is not None:
@@ -141,20 +182,21 @@ class AgentClient:
         return LookupResult(reply.hits, reply.prefix, reply.where)
 
     def allocate(self, namespace: str, keys: Sequence[bytes], nbytes: int) -> Grant:
-        reply = self._call(p.Allocate(self.client_id, namespace, list(keys), nbytes), p.LeaseReply)
-        return Grant(reply.lease, reply.slots, reply.where)
+        reply = self._call(p.Allocate(namespace, list(keys), nbytes), p.LeaseReply)
+        return Grant(reply.lease, reply.slots, reply.where, reply.generations)
 
     def commit(self, lease: int) -> None:
         """A round trip: once it returns, every client of the agent sees the chunks (a
-        one-way commit could still be queued behind another client's lookup)."""
+        one-way commit could still be queued behind another client's lookup). Raises
+        LeaseLost when the lease is void."""
         self._call(p.Commit(lease), p.Ack)
 
     def abort(self, lease: int) -> None:
         self._send(p.Abort(lease))
 
     def begin_load(self, namespace: str, keys: Sequence[bytes], source: str = "") -> Grant:
-        reply = self._call(p.BeginLoad(self.client_id, namespace, list(keys), source), p.LeaseReply)
-        return Grant(reply.lease, reply.slots, reply.where)
+        reply = self._call(p.BeginLoad(namespace, list(keys), source), p.LeaseReply)
+        return Grant(reply.lease, reply.slots, reply.where, reply.generations)
 
     def end_load(self, lease: int) -> None:
         self._send(p.EndLoad(lease))
@@ -171,9 +213,26 @@ class AgentClient:
     # --- whole operations ----------------------------------------------------------------
 
     def slot(self, slot: int, nbytes: int | None = None) -> Bytes:
-        """A writable uint8 view of a slot's payload in the shared pool."""
-        assert self.pool is not None, "connect() first"
-        return self.pool.payload(slot, nbytes)
+        """A writable uint8 view of a slot's payload in the shared pool. Raises
+        AgentUnavailable when the pool file no longer backs the mapping (a copy would end
+        the process with SIGBUS) and ValueError for a slot or size out of the pool."""
+        pool = self.pool
+        if pool is None:
+            raise AgentUnavailable("not connected: connect() first")
+        geometry = pool.geometry
+        if not 0 <= slot < geometry.slot_count:
+            raise ValueError(f"slot {slot} is not a slot of this pool ({geometry.slot_count})")
+        if nbytes is not None and not 0 <= nbytes <= geometry.payload_bytes:
+            raise ValueError(f"{nbytes} bytes do not fit a slot of {geometry.payload_bytes}")
+        if not pool.intact():
+            raise AgentUnavailable(f"pool {pool.path} was truncated under this client")
+        return pool.payload(slot, nbytes)
+
+    def still_granted(self, grant: Grant, i: int) -> bool:
+        """Whether slot `grant.slots[i]` still holds the chunk it was granted for: checked
+        after copying, it tells whether the copy read (or wrote) only that chunk's bytes."""
+        pool = self.pool
+        return pool is not None and pool.generation(grant.slots[i]) == grant.generations[i]
 
     def store(self, namespace: str, keys: Sequence[bytes], rows: Sequence[Any]) -> StoreResult:
         """Store rows (buffers of equal size) under keys: allocate, copy, commit.
@@ -186,6 +245,8 @@ class AgentClient:
         if not views:
             return StoreResult(0, 0)
         nbytes = views[0].nbytes
+        if any(v.nbytes != nbytes for v in views):
+            raise ValueError("store needs rows of equal size")
         grant = self.allocate(namespace, keys, nbytes)
         if grant.lease == 0:
             return StoreResult(0, len(keys))
@@ -203,20 +264,30 @@ class AgentClient:
     def load_into(
         self, namespace: str, keys: Sequence[bytes], outs: Sequence[Any], source: str = ""
     ) -> list[bool]:
-        """Copy the held chunks among keys into `outs`; returns which keys were copied."""
+        """Copy the held chunks among keys into `outs`; returns which keys were copied whole
+        from their own chunk. Buffers larger than a slot are refused (ValueError)."""
         views = [_as_bytes(o) for o in outs]
         if len(views) != len(keys):
             raise ValueError("load needs one output buffer per key")
+        if self.hello is None:
+            self.connect()
+        too_big = [v.nbytes for v in views if v.nbytes > self.slot_bytes]
+        if too_big:
+            raise ValueError(
+                f"a buffer of {too_big[0]} bytes is larger than a slot ({self.slot_bytes} bytes)"
+            )
         grant = self.begin_load(namespace, keys, source)
         if grant.lease == 0:
             return [False] * len(keys)
+        loaded = [False] * len(keys)
         try:
-            for view, slot in zip(views, grant.slots, strict=True):
+            for i, (view, slot) in enumerate(zip(views, grant.slots, strict=True)):
                 if slot >= 0:
                     np.copyto(view, self.slot(slot, view.nbytes))
+                    loaded[i] = self.still_granted(grant, i)
         finally:
             self.end_load(grant.lease)
-        return [s >= 0 for s in grant.slots]
+        return loaded
 
     # --- transport -----------------------------------------------------------------------
 
@@ -235,22 +306,47 @@ class AgentClient:
             self._socket().send_multipart([p.ONE_WAY, p.encode(request)], flags=zmq.NOBLOCK)
 
     def _call(self, request: p.Request, expect: type[Any]) -> Any:
-        # One request at a time on the socket, so threads may share a client; copies of
-        # chunk bytes happen outside this lock.
+        """One request within one timeout, hello included: say hello first when this client
+        has not (or not since a timeout), and again once if the agent does not know this
+        connection. Threads may share a client: one request at a time on the socket, while
+        copies of chunk bytes happen outside this lock."""
+        deadline = time.monotonic() + self.timeout
         with self._io_lock:
-            return self._call_locked(request, expect)
+            try:
+                if self.hello is None:
+                    self._connect_locked(deadline)
+                return self._exchange(request, expect, deadline)
+            except _NotRegistered:
+                self.hello = None
+                if isinstance(request, p.Commit):
+                    raise LeaseLost(
+                        f"lease {request.lease} is void: the agent restarted since it was granted"
+                    ) from None
+            try:
+                self._connect_locked(deadline)
+                return self._exchange(request, expect, deadline)
+            except _NotRegistered as exc:
+                raise AgentRefused(f"agent refused the hello of this client: {exc}") from None
 
-    def _call_locked(self, request: p.Request, expect: type[Any]) -> Any:
+    def _exchange(self, request: p.Request, expect: type[Any], deadline: float) -> Any:
         sock = self._socket()
         rid = _RID.pack(next(self._rids))
         sock.send_multipart([rid, p.encode(request)])
-        while sock.poll(self.timeout_ms):
-            got_rid, body = sock.recv_multipart()
-            if got_rid != rid:
+        while (left := deadline - time.monotonic()) > 0 and sock.poll(max(1, int(left * 1000))):
+            frames = sock.recv_multipart()
+            if len(frames) != 2 or frames[0] != rid:
                 continue  # a late answer to an earlier, timed-out request
-            reply = p.reply_decoder.decode(body)
+            try:
+                reply = p.reply_decoder.decode(frames[1])
+            except msgspec.MsgspecError as exc:
+                raise AgentRefused(
+                    f"undecodable reply to {type(request).__name__}: {exc}"
+                ) from None
             if isinstance(reply, p.ErrorReply):
-                raise AgentRefused(f"agent refused {type(request).__name__}: {reply.message}")
+                if reply.code == p.NOT_REGISTERED:
+                    raise _NotRegistered(reply.message)
+                error = LeaseLost if reply.code == p.LEASE else AgentRefused
+                raise error(f"agent refused {type(request).__name__}: {reply.message}")
             if not isinstance(reply, expect):
                 raise AgentRefused(f"unexpected reply {type(reply).__name__}")
             return reply

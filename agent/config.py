@@ -23,7 +23,13 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kvtier.agent.pool import SLOT_HEADER_BYTES, pool_slot_count, slot_payload_bytes
+from kvtier.agent.pool import (
+    SLOT_HEADER_BYTES,
+    PoolGeometry,
+    pool_slot_count,
+    reusable,
+    slot_payload_bytes,
+)
 from kvtier.agent.units import format_bytes, parse_bytes
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
@@ -441,6 +447,28 @@ def _check_writable_dir(field: str, directory: Path) -> str | None:
     return None
 
 
+def _check_pool_fits(config: AgentConfig) -> str | None:
+    """A pool file larger than the free space of its filesystem maps fine and then kills
+    whoever touches a page the filesystem cannot supply (SIGBUS): refuse to start instead."""
+    host = config.host
+    geometry = PoolGeometry(slot_payload_bytes(host.chunk_bytes), host.slot_count)
+    try:
+        st = os.statvfs(host.pool_dir)
+        free = st.f_bavail * st.f_frsize
+        if reusable(config.pool_path, geometry):
+            free += config.pool_path.stat().st_blocks * 512  # already allocated to the pool
+    except OSError:
+        return None  # the writable-directory check reports it
+    if free >= geometry.file_bytes:
+        return None
+    return (
+        f"host.capacity ({format_bytes(host.capacity)}, a pool file of "
+        f"{format_bytes(geometry.file_bytes)}) does not fit in host.poolDir {host.pool_dir}: "
+        f"its filesystem has {format_bytes(free)} free; fix: lower host.capacity or give the "
+        "pool's filesystem more room (the tier's volume size, or the pod's /dev/shm)"
+    )
+
+
 def check_runtime(config: AgentConfig) -> None:
     """Checks that need the filesystem, done once at start before anything is created."""
     checks = [("host.poolDir", config.host.pool_dir), ("runDir", config.run_dir)]
@@ -450,6 +478,7 @@ def check_runtime(config: AgentConfig) -> None:
         if t.filesystem is not None
     ]
     problems = [p for field, path in checks if (p := _check_writable_dir(field, path))]
+    problems += [p for p in [_check_pool_fits(config)] if p]
     from kvtier.agent.tiers import nixl_path  # loads NIXL, which only this check needs here
 
     problems += [

@@ -4,6 +4,14 @@ Checksums are computed off the request path by a sealer thread: a commit returns
 the chunk is indexed, and the chunk header turns SEALED once its checksum is written. Only
 sealed slots survive an agent restart, so a slot whose write or checksum never finished is
 dropped instead of served.
+
+Each slot handed to a chunk gets the chunk's header (WRITING, naming namespace and key) and
+a new generation stamp before any client may write it; a commit publishes only slots that
+still carry both, and a reader checks the stamp after copying (see pool.py).
+
+Promotions from secondary tiers hold at most a quarter of the pool at once: a tier that
+hangs mid-read keeps its reserved slots until the read ends, and without a cap a few stuck
+reads would evict every chunk clients can use.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import numpy as np
 
 from kvtier.agent.chunk import ChunkHeader, SlotState, checksum
 from kvtier.agent.config import HostTierConfig
-from kvtier.agent.index import BUSY, EXISTS, FULL, Entry, HostIndex
+from kvtier.agent.index import BUSY, EXISTS, FULL, Entry, HostIndex, LeaseError
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
 from kvtier.agent.pool import PoolGeometry, create_or_reuse, slot_payload_bytes
@@ -28,21 +36,32 @@ from kvtier.agent.pool import PoolGeometry, create_or_reuse, slot_payload_bytes
 log = logging.getLogger("kvtier.agent.host")
 
 TIER = "host"
-PROMOTER = "kvtier-agent"  # the lease holder of slots being filled from a secondary tier
+# Holders of the agent's own leases; ':' is never part of a client id (see protocol.py).
+PROMOTER = "agent:promoter"  # slots being filled from a secondary tier
+LENDER = "agent:peer"  # chunks being sent to other agents
 _SKIP_REASONS = {EXISTS: "exists", BUSY: "busy", FULL: "full"}
 
 
 class HostTier:
     def __init__(
-        self, config: HostTierConfig, pool_path: Path, metrics: AgentMetrics, lease_seconds: float
+        self,
+        config: HostTierConfig,
+        pool_path: Path,
+        metrics: AgentMetrics,
+        lease_seconds: float,
+        boot: int = 0,
     ) -> None:
         self.config = config
         self.metrics = metrics
         self.lease_seconds = lease_seconds
         geometry = PoolGeometry(slot_payload_bytes(config.chunk_bytes), config.slot_count)
         self.pool, reused = create_or_reuse(pool_path, geometry, populate=config.prefault)
-        self.index = HostIndex(geometry.slot_count, make_policy(config.policy, geometry.slot_count))
+        self.index = HostIndex(
+            geometry.slot_count, make_policy(config.policy, geometry.slot_count), boot
+        )
         self.lock = threading.Lock()
+        self._promoting = 0  # slots reserved by promotions in flight (lock held)
+        self._max_promoting = max(1, geometry.slot_count // 4)
         # Called with the lock held: after a chunk is sealed, and with the entries that
         # lookups hit. The secondary tiers use them to queue write-backs.
         self.on_sealed: Callable[[Entry], None] | None = None
@@ -89,7 +108,7 @@ class HostTier:
 
     def allocate(
         self, client: str, namespace: str, keys: list[bytes], nbytes: int
-    ) -> tuple[int, list[int]]:
+    ) -> tuple[int, list[int], list[int]]:
         if not 0 < nbytes <= self.geometry.payload_bytes:
             raise ValueError(
                 f"nbytes {nbytes} does not fit a slot of {self.geometry.payload_bytes} bytes; "
@@ -97,49 +116,62 @@ class HostTier:
             )
         with self.lock:
             evictions = self.index.counters.evictions
-            lease, slots = self.index.allocate(
+            lease, slots, generations = self.index.allocate(
                 client, namespace, keys, nbytes, time.monotonic() + self.lease_seconds
             )
             evicted = self.index.counters.evictions - evictions
-            for slot in slots:
+            for key, slot, generation in zip(keys, slots, generations, strict=True):
                 if slot >= 0:
-                    self._write_header(slot, ChunkHeader(namespace, b"", 0, 0, SlotState.WRITING))
+                    self._claim(slot, namespace, key, generation)
         for slot in slots:
             if slot < 0:
                 self._skipped[slot].inc()
         if evicted:
             self._evictions.inc(evicted)
-        return lease, slots
+        return lease, slots, generations
 
-    def commit(self, lease: int) -> None:
+    def commit(self, lease: int, client: str) -> None:
+        """Publish a store lease's chunks and queue them for sealing. A slot whose header or
+        generation is not the one its allocation wrote was written over by someone else: it
+        is dropped and counted, never published."""
         with self.lock:
-            entries = self.index.commit(lease)
+            entries = self.index.commit(lease, client)
+            kept = []
             for entry in entries:
                 ns, key = entry.id
+                header = ChunkHeader.unpack(self.pool.header(entry.slot).data)
+                claimed = ChunkHeader(ns, key, 0, 0, SlotState.WRITING)
+                if header != claimed or self.pool.generation(entry.slot) != entry.generation:
+                    self.index.remove(entry)
+                    self._count_corrupt(f"slot {entry.slot} was overwritten during its store")
+                    continue
                 self._write_header(
                     entry.slot, ChunkHeader(ns, key, entry.length, 0, SlotState.WRITING)
                 )
                 self.index.pin(entry)
-        for entry in entries:
+                kept.append(entry)
+        for entry in kept:
             self._seal_queue.put(entry)
-        self._store_bytes.inc(sum(e.length for e in entries))
+        self._store_bytes.inc(sum(e.length for e in kept))
 
-    def abort(self, lease: int) -> None:
+    def abort(self, lease: int, client: str) -> None:
         with self.lock:
-            self.index.abort(lease)
+            self.index.abort(lease, client)
 
-    def begin_load(self, client: str, namespace: str, keys: list[bytes]) -> tuple[int, list[int]]:
+    def begin_load(
+        self, client: str, namespace: str, keys: list[bytes]
+    ) -> tuple[int, list[int], list[int]]:
         with self.lock:
-            lease, slots = self.index.begin_load(
+            lease, slots, generations = self.index.begin_load(
                 client, namespace, keys, time.monotonic() + self.lease_seconds
             )
             nbytes = self.index.lease_bytes(lease)
         self._load_bytes.inc(nbytes)
-        return lease, slots
+        return lease, slots, generations
 
-    def end_load(self, lease: int) -> None:
+    def end_load(self, lease: int, client: str) -> None:
         with self.lock:
-            self.index.end_load(lease)
+            self.index.end_load(lease, client)
 
     def reclaim(self, now: float, dead_clients: list[str]) -> int:
         """Release expired leases and those of dead clients; returns how many."""
@@ -188,6 +220,16 @@ class HostTier:
         raw = header.pack()
         self.pool.header(slot)[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
 
+    def _claim(self, slot: int, namespace: str, key: bytes, generation: int) -> None:
+        """Mark a slot as being written for a chunk, with its new generation (lock held)."""
+        self._write_header(slot, ChunkHeader(namespace, key, 0, 0, SlotState.WRITING))
+        self.pool.set_generation(slot, generation)
+
+    def _count_corrupt(self, why: str) -> None:
+        self.corrupt += 1
+        self.metrics.corrupt.labels(TIER).inc()
+        log.warning("dropped a chunk: %s", why)
+
     def _seal_loop(self) -> None:
         while (entry := self._seal_queue.get()) is not None:
             digest = checksum(self.pool.payload(entry.slot, entry.length).data)
@@ -235,21 +277,24 @@ class HostTier:
         keys: list[bytes],
         fill: Callable[[list[bytes], list[memoryview]], list[ChunkHeader | None]],
     ) -> list[bool]:
-        """Bring chunks into the pool from elsewhere: reserve a slot per key, let `fill`
-        read and verify the bytes of those keys into those slots (no lock held meanwhile),
-        then publish each filled one as sealed. Returns which keys are now in the pool."""
+        """Bring chunks into the pool from elsewhere: reserve a slot per key (within the
+        promotions' share of the pool), let `fill` read and verify the bytes of those keys
+        into those slots (no lock held meanwhile), then publish each filled one as sealed.
+        Returns which keys are now in the pool."""
         held = [False] * len(keys)
         reserved: list[tuple[int, int, int]] = []  # (position in keys, lease, slot)
         deadline = time.monotonic() + self.lease_seconds
         with self.lock:
             for i, key in enumerate(keys):
-                lease, slots = self.index.allocate(
+                if self._promoting >= self._max_promoting:
+                    break
+                lease, slots, generations = self.index.allocate(
                     PROMOTER, namespace, [key], self.geometry.payload_bytes, deadline
                 )
                 if slots[0] >= 0:
-                    writing = ChunkHeader(namespace, b"", 0, 0, SlotState.WRITING)
-                    self._write_header(slots[0], writing)
+                    self._claim(slots[0], namespace, key, generations[0])
                     reserved.append((i, lease, slots[0]))
+                    self._promoting += 1
                 else:
                     held[i] = slots[0] == EXISTS
         if not reserved:
@@ -262,11 +307,16 @@ class HostTier:
             )
         finally:
             with self.lock:
+                self._promoting -= len(reserved)
                 for (i, lease, _), header in zip(reserved, headers, strict=True):
-                    if header is None:
-                        self.index.abort(lease)
-                        continue
-                    for entry in self.index.commit(lease):
+                    try:
+                        if header is None:
+                            self.index.abort(lease, PROMOTER)
+                            continue
+                        entries = self.index.commit(lease, PROMOTER)
+                    except LeaseError:
+                        continue  # held past the lease timeout: the slot went back already
+                    for entry in entries:
                         entry.length = header.length
                         entry.checksum = header.checksum
                         self._write_header(entry.slot, entry.header())
@@ -282,13 +332,11 @@ class HostTier:
                 continue
             payload = self.pool.payload(slot).data
             if header.length > len(payload) or not header.verify(payload):
-                self.corrupt += 1
-                self.metrics.corrupt.labels(TIER).inc()
                 self._write_header(slot, ChunkHeader("", b"", 0, 0, SlotState.FREE))
-                log.warning("dropped corrupt chunk in slot %d", slot)
+                self._count_corrupt(f"slot {slot} failed its checksum")
                 continue
             if self.index.get(header.namespace, header.key) is None:
-                self.index.adopt(header, slot)
+                self.index.adopt(header, slot, self.pool.generation(slot))
         log.info(
             "re-indexed pool: %d chunks, %d corrupt, %.2fs",
             self.index.chunks,

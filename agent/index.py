@@ -1,8 +1,12 @@
 """The host tier's index: which chunk lives in which pool slot, and who holds it.
 
 Pure bookkeeping with no I/O, so every rule (no eviction under a lease, leases reclaimed
-when they expire or their client dies, a chunk readable only once committed) is tested
-directly. The agent serialises calls with one lock; nothing here blocks.
+when they expire or their client dies, a chunk readable only once committed, a lease used
+only by its holder and for its kind) is tested directly. The agent serialises calls with one
+lock; nothing here blocks. A refused call raises before it changes anything.
+
+Lease ids and slot generations carry the agent's boot id in their upper 32 bits, so no id
+or generation handed out by an earlier agent process can match one of this process's.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ FULL = -3  # every slot is pinned; nothing could be evicted
 MISS = -1  # `begin_load`: not held
 
 
+class LeaseError(ValueError):
+    """A lease that is unknown (expired, or granted by an earlier agent process), held by
+    another client, or of the other kind."""
+
+
 class EntryState(enum.IntEnum):
     WRITING = 1
     READY = 2
@@ -41,6 +50,7 @@ class Entry:
     pins: int = 0
     hits: int = 0
     checksum: int | None = None  # set once sealed: the bytes are complete and verified
+    generation: int = 0  # the slot's stamp while it holds this chunk
 
     def header(self) -> ChunkHeader:
         assert self.checksum is not None, "only a sealed chunk has a full header"
@@ -68,7 +78,7 @@ class IndexCounters:
 
 
 class HostIndex:
-    def __init__(self, slot_count: int, policy: EvictionPolicy) -> None:
+    def __init__(self, slot_count: int, policy: EvictionPolicy, boot: int = 0) -> None:
         self.slot_count = slot_count
         self.policy = policy
         self._by_ns: dict[str, dict[bytes, Entry]] = {}
@@ -76,7 +86,8 @@ class HostIndex:
         self._ready: dict[str, dict[bytes, Entry]] = {}
         self._free = list(range(slot_count - 1, -1, -1))
         self._leases: dict[int, Lease] = {}
-        self._lease_ids = itertools.count(1)
+        self._lease_ids = itertools.count((boot << 32) + 1)
+        self._generations = itertools.count((boot << 32) + 1)
         self._pending_hits: list[tuple[str, list[bytes], list[bool]]] = []
         self._touched: list[Entry] = []
         self.counters = IndexCounters()
@@ -145,78 +156,88 @@ class HostIndex:
 
     def allocate(
         self, client: str, namespace: str, keys: list[bytes], length: int, deadline: float
-    ) -> tuple[int, list[int]]:
-        """Reserve a slot per new key for `client` to write; returns (lease id, slots).
+    ) -> tuple[int, list[int], list[int]]:
+        """Reserve a slot per new key for `client` to write; returns (lease id, slots, the
+        granted slots' generations).
 
         Keys already held or being written get EXISTS/BUSY instead of a slot, so duplicate
         stores cost one round trip and no copy.
         """
         table = self._by_ns.setdefault(namespace, {})
         slots: list[int] = []
+        generations: list[int] = []
         entries: list[Entry] = []
         for key in keys:
             existing = table.get(key)
-            if existing is not None:
-                slots.append(EXISTS if existing.state is EntryState.READY else BUSY)
-                continue
-            slot = self._take_slot((namespace, key))
+            slot = None if existing is not None else self._take_slot((namespace, key))
             if slot is None:
-                self.counters.full += 1
-                slots.append(FULL)
+                if existing is not None:
+                    slots.append(EXISTS if existing.state is EntryState.READY else BUSY)
+                else:
+                    self.counters.full += 1
+                    slots.append(FULL)
+                generations.append(0)
                 continue
-            entry = Entry(id=(namespace, key), slot=slot, length=length, pins=1)
+            entry = Entry(
+                id=(namespace, key),
+                slot=slot,
+                length=length,
+                pins=1,
+                generation=next(self._generations),
+            )
             table[key] = entry
             entries.append(entry)
             slots.append(slot)
+            generations.append(entry.generation)
+        if not table:
+            del self._by_ns[namespace]
         if not entries:
-            return 0, slots
-        return self._new_lease(client, "store", entries, deadline), slots
+            return 0, slots, generations
+        return self._new_lease(client, "store", entries, deadline), slots, generations
 
-    def commit(self, lease_id: int) -> list[Entry]:
+    def commit(self, lease_id: int, client: str) -> list[Entry]:
         """Make a store lease's chunks readable; returns them for sealing."""
-        lease = self._leases.pop(lease_id, None)
-        if lease is None or lease.kind != "store":
-            return []
+        lease = self._take(lease_id, client, "store")
         for entry in lease.entries:
             entry.state = EntryState.READY
             entry.pins -= 1
             self._make_ready(entry)
         return lease.entries
 
-    def abort(self, lease_id: int) -> None:
-        lease = self._leases.pop(lease_id, None)
-        if lease is not None:
-            self._release(lease)
+    def abort(self, lease_id: int, client: str) -> None:
+        self._release(self._take(lease_id, client, "store"))
 
     # --- load ----------------------------------------------------------------------------
 
     def begin_load(
         self, client: str, namespace: str, keys: list[bytes], deadline: float
-    ) -> tuple[int, list[int]]:
-        """Pin the ready chunks among `keys` for reading; MISS for the others."""
+    ) -> tuple[int, list[int], list[int]]:
+        """Pin the ready chunks among `keys` for reading; MISS for the others. Returns the
+        lease, the slots and each granted slot's generation (0 for a miss)."""
         ready = self._ready.get(namespace, {})
         slots: list[int] = []
+        generations: list[int] = []
         entries: list[Entry] = []
         for key in keys:
             entry = ready.get(key)
             if entry is None:
                 slots.append(MISS)
+                generations.append(0)
                 continue
             entry.pins += 1
             entries.append(entry)
             slots.append(entry.slot)
+            generations.append(entry.generation)
         if not entries:
-            return 0, slots
-        return self._new_lease(client, "load", entries, deadline), slots
+            return 0, slots, generations
+        return self._new_lease(client, "load", entries, deadline), slots, generations
 
     def lease_bytes(self, lease_id: int) -> int:
         lease = self._leases.get(lease_id)
         return sum(e.length for e in lease.entries) if lease else 0
 
-    def end_load(self, lease_id: int) -> None:
-        lease = self._leases.pop(lease_id, None)
-        if lease is not None:
-            self._release(lease)
+    def end_load(self, lease_id: int, client: str) -> None:
+        self._release(self._take(lease_id, client, "load"))
 
     # --- maintenance ---------------------------------------------------------------------
 
@@ -226,8 +247,9 @@ class HostIndex:
     def unpin(self, entry: Entry) -> None:
         entry.pins -= 1
 
-    def adopt(self, header: ChunkHeader, slot: int) -> Entry:
-        """Index a verified chunk found in the pool after a restart."""
+    def adopt(self, header: ChunkHeader, slot: int, generation: int) -> Entry:
+        """Index a verified chunk found in the pool after a restart, keeping its slot's
+        generation (readers of the earlier agent process may still be copying it)."""
         self._free.remove(slot)
         namespace, key = header.namespace, header.key
         entry = Entry(
@@ -236,6 +258,7 @@ class HostIndex:
             length=header.length,
             state=EntryState.READY,
             checksum=header.checksum,
+            generation=generation,
         )
         self._by_ns.setdefault(namespace, {})[key] = entry
         self._make_ready(entry)
@@ -270,6 +293,20 @@ class HostIndex:
         return {lease.client for lease in self._leases.values()}
 
     # --- internals -----------------------------------------------------------------------
+
+    def _take(self, lease_id: int, client: str, kind: Literal["store", "load"]) -> Lease:
+        """Remove and return a lease its holder ends. Raises, changing nothing, LeaseError
+        for a lease this client does not hold and ValueError for one of the other kind."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.client != client:
+            raise LeaseError(
+                f"lease {lease_id} is not held by this client (expired, released, granted "
+                "by an earlier agent process, or another client's)"
+            )
+        if lease.kind != kind:
+            raise ValueError(f"lease {lease_id} is a {lease.kind} lease, not a {kind} lease")
+        del self._leases[lease_id]
+        return lease
 
     def _new_lease(
         self, client: str, kind: Literal["store", "load"], entries: list[Entry], deadline: float

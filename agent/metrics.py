@@ -116,6 +116,18 @@ class AgentMetrics:
         self.peer_lent = Gauge(
             "kvtier_peer_lent_slots", "Pool slots lent to other agents right now.", registry=r
         )
+        self.refused = Counter(
+            "kvtier_requests_refused",
+            "Requests refused without effect, by op and code (not_registered, lease, invalid).",
+            ["op", "code"],
+            registry=r,
+        )
+        self.tier_healthy = Gauge(
+            "kvtier_tier_healthy",
+            "1 while a secondary tier answers; 0 after repeated failures, until a probe succeeds.",
+            ["tier"],
+            registry=r,
+        )
         self.request_seconds = Histogram(
             "kvtier_request_seconds",
             "Time the agent spent on a control request.",

@@ -2,7 +2,10 @@
 
 Agent and clients map the same file, so the layout here is a contract between processes
 (and between agent versions across a warm restart). Slot payloads are page-aligned so copies
-run at memcpy speed; each slot's first page holds its chunk header (see `chunk.py`).
+run at memcpy speed; each slot's first page holds its chunk header (see `chunk.py`) and, in
+its last 8 bytes, the slot's generation: the agent stamps a new one whenever it hands the slot
+to another chunk, so a reader that checks the stamp after copying knows whether the bytes it
+copied still belonged to the chunk it was granted.
 This module imports only the standard library and numpy: the vLLM plug-in uses it.
 """
 
@@ -22,7 +25,8 @@ PAGE = 4096
 SUPERBLOCK_BYTES = PAGE
 SLOT_HEADER_BYTES = PAGE
 POOL_MAGIC = b"KVTPOOL1"
-POOL_VERSION = 1
+POOL_VERSION = 2  # 2: slot generations
+STAMP_OFFSET = SLOT_HEADER_BYTES - 8
 Bytes = npt.NDArray[np.uint8]
 _SUPERBLOCK = struct.Struct("<8sIIQQ")  # magic, version, header bytes, payload bytes, slots
 
@@ -72,20 +76,31 @@ class PoolMap:
     """A shared mapping of the pool file with numpy views of its slots.
 
     `populate` maps every page up front (MAP_POPULATE): a multi-MiB copy into a freshly
-    mapped region otherwise spends as long in page faults as in copying.
+    mapped region otherwise spends as long in page faults as in copying. The file stays open
+    so `intact` can tell, before a copy, whether the file still backs the whole mapping: a
+    copy from a truncated file would end the process with SIGBUS.
     """
 
     def __init__(self, path: Path, geometry: PoolGeometry, populate: bool = True) -> None:
         self.path = path
         self.geometry = geometry
-        fd = os.open(path, os.O_RDWR)
+        self._fd = os.open(path, os.O_RDWR)
         try:
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-            self._mmap = mmap.mmap(fd, geometry.file_bytes, flags=flags)
-            self.inode = os.fstat(fd).st_ino
-        finally:
-            os.close(fd)
+            self._mmap = mmap.mmap(self._fd, geometry.file_bytes, flags=flags)
+            self.inode = os.fstat(self._fd).st_ino
+        except BaseException:
+            os.close(self._fd)
+            raise
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        # Every slot's generation, as one strided view over the header pages.
+        self._stamps: npt.NDArray[np.uint64] = np.ndarray(
+            (geometry.slot_count,),
+            dtype="<u8",
+            buffer=self._mmap,
+            offset=geometry.header_offset(0) + STAMP_OFFSET,
+            strides=(geometry.stride,),
+        )
 
     @classmethod
     def open(cls, path: Path, populate: bool = True) -> PoolMap:
@@ -105,27 +120,59 @@ class PoolMap:
         start = self.geometry.header_offset(slot)
         return self.array[start : start + SLOT_HEADER_BYTES]
 
+    def generation(self, slot: int) -> int:
+        return int(self._stamps[slot])
+
+    def set_generation(self, slot: int, generation: int) -> None:
+        self._stamps[slot] = generation
+
+    def intact(self) -> bool:
+        """Whether the file still backs every mapped byte (nobody truncated it)."""
+        try:
+            return os.fstat(self._fd).st_size >= self.geometry.file_bytes
+        except OSError:
+            return False
+
     def close(self) -> None:
-        del self.array
+        del self.array, self._stamps
         # A caller may still hold a view; the mapping then goes away with the last view.
         with contextlib.suppress(BufferError):
             self._mmap.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+def reusable(path: Path, geometry: PoolGeometry) -> bool:
+    """Whether `path` holds a pool of exactly this geometry (a warm restart keeps it)."""
+    try:
+        with open(path, "rb") as f:
+            existing = PoolGeometry.unpack(f.read(_SUPERBLOCK.size).ljust(_SUPERBLOCK.size, b"\0"))
+        return existing == geometry and path.stat().st_size == geometry.file_bytes
+    except OSError:
+        return False
 
 
 def create_or_reuse(path: Path, geometry: PoolGeometry, populate: bool) -> tuple[PoolMap, bool]:
     """Open the pool at `path` if it has this geometry (a warm restart), else create it anew.
+    Either way every page of the file is allocated (fallocate) before it is mapped: on a
+    tmpfs smaller than the pool, a sparse file maps fine and then kills whoever first touches
+    a page the filesystem cannot supply, with SIGBUS. Raises OSError (ENOSPC) instead.
 
     Returns the map and whether an existing pool was reused.
     """
-    reused = False
-    if path.exists():
-        with open(path, "rb") as f:
-            existing = PoolGeometry.unpack(f.read(_SUPERBLOCK.size).ljust(_SUPERBLOCK.size, b"\0"))
-        reused = existing == geometry and path.stat().st_size == geometry.file_bytes
+    reused = reusable(path, geometry)
+    target = path if reused else path.with_name(path.name + ".new")
+    fd = os.open(target, os.O_RDWR | (0 if reused else os.O_CREAT | os.O_TRUNC), 0o660)
+    try:
+        os.posix_fallocate(fd, 0, geometry.file_bytes)
+        if not reused:
+            os.pwrite(fd, geometry.pack(), 0)
+    except BaseException:
+        os.close(fd)
+        if not reused:
+            target.unlink(missing_ok=True)
+        raise
+    os.close(fd)
     if not reused:
-        tmp = path.with_name(path.name + ".new")
-        with open(tmp, "wb") as f:
-            f.truncate(geometry.file_bytes)
-            f.write(geometry.pack())
-        os.replace(tmp, path)
+        os.replace(target, path)
     return PoolMap(path, geometry, populate), reused

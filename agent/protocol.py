@@ -8,23 +8,49 @@ round trip; a store costs two (Allocate, Commit), so that a finished store is vi
 every client at once. Chunk bytes never travel here:
 both sides map the same pool file and the messages carry slot numbers. This module imports
 only msgspec, because the vLLM plug-in imports it.
+
+A client is bound to its connection: its first message is Hello, and the agent refuses
+anything else from a connection that has not said hello to this agent process (code
+NOT_REGISTERED), so a client whose socket silently reconnected to a restarted agent learns
+it before its stale leases can do harm. Every field is bounded here, and decoding checks
+the bounds, so a malformed or oversized request is refused before it touches any state.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: connection-bound clients, lease generations, error codes
 ONE_WAY = b"\0" * 8
+MAX_MESSAGE_BYTES = 16 << 20
+MAX_KEYS = 65536
+MAX_NAMESPACE_BYTES = 256  # as in a chunk header
+MAX_KEY_BYTES = 1024
+
+# Error codes of ErrorReply.
+NOT_REGISTERED = "not_registered"  # say Hello on this connection first
+LEASE = "lease"  # the lease is unknown, expired, of another client, or of the wrong kind
+INVALID = "invalid"  # the request itself is malformed or out of bounds
+
+ClientId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+LockName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.lock$")]
+Namespace = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAMESPACE_BYTES)]
+Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
+Source = Annotated[str, msgspec.Meta(max_length=512)]
+LeaseId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 
 
 class Hello(msgspec.Struct, tag="hello"):
-    """First message of a client: `lock` is a file in the agent's `clients/` directory that
-    the client holds an flock on for its lifetime; a lock that can be taken means the client
-    is gone (this works across PID namespaces, unlike PIDs), so its leases are reclaimed."""
+    """First message of a client on a connection: `lock` is a file in the agent's `clients/`
+    directory that the client holds an flock on for its lifetime; a lock that can be taken
+    means the client is gone (this works across PID namespaces, unlike PIDs), so its leases
+    are reclaimed."""
 
-    client: str
-    lock: str
+    client: ClientId
+    lock: LockName
     protocol: int = PROTOCOL_VERSION
 
 
@@ -32,35 +58,33 @@ class Lookup(msgspec.Struct, tag="lookup"):
     """`source`, when set, is the peer endpoint of the agent known to hold the chunks (the
     prefill side in prefill/decode disaggregation): it is asked directly."""
 
-    namespace: str
-    keys: list[bytes]
-    source: str = ""
+    namespace: Namespace
+    keys: Keys
+    source: Source = ""
 
 
 class Allocate(msgspec.Struct, tag="allocate"):
-    client: str
-    namespace: str
-    keys: list[bytes]
-    nbytes: int
+    namespace: Namespace
+    keys: Keys
+    nbytes: Annotated[int, msgspec.Meta(ge=1, lt=1 << 62)]
 
 
 class Commit(msgspec.Struct, tag="commit"):
-    lease: int
+    lease: LeaseId
 
 
 class Abort(msgspec.Struct, tag="abort"):
-    lease: int
+    lease: LeaseId
 
 
 class BeginLoad(msgspec.Struct, tag="begin_load"):
-    client: str
-    namespace: str
-    keys: list[bytes]
-    source: str = ""  # as in Lookup
+    namespace: Namespace
+    keys: Keys
+    source: Source = ""  # as in Lookup
 
 
 class EndLoad(msgspec.Struct, tag="end_load"):
-    lease: int
+    lease: LeaseId
 
 
 class Stats(msgspec.Struct, tag="stats"):
@@ -70,14 +94,17 @@ class Stats(msgspec.Struct, tag="stats"):
 class Events(msgspec.Struct, tag="events"):
     """Chunks of a namespace stored into or evicted from the pool since sequence `after`."""
 
-    namespace: str
-    after: int
+    namespace: Namespace
+    after: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 
 
 Request = Hello | Lookup | Allocate | Commit | Abort | BeginLoad | EndLoad | Stats | Events
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply"):
+    """`boot` identifies this agent process: lease ids and slot generations carry it, so
+    none granted by an earlier process can match one of this one's."""
+
     pool: str
     payload_bytes: int
     slot_count: int
@@ -85,6 +112,7 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     agent_version: str
     tiers: list[str] = []
     protocol: int = PROTOCOL_VERSION
+    boot: int = 0
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):
@@ -98,11 +126,14 @@ class LookupReply(msgspec.Struct, tag="lookup_reply"):
 
 class LeaseReply(msgspec.Struct, tag="lease_reply"):
     """Answer to Allocate and BeginLoad: a slot per key, or a negative code (see index.py).
-    `lease` is 0 when no slot was granted."""
+    `lease` is 0 when no slot was granted. `generations[i]` is the stamp slot i carries while
+    the grant holds (see pool.py): a reader whose copy ends with another stamp in the slot
+    copied bytes that were no longer its chunk's."""
 
     lease: int
     slots: list[int]
     where: list[int] = []  # BeginLoad: where each granted chunk came from, as in LookupReply
+    generations: list[int] = []
 
 
 class Ack(msgspec.Struct, tag="ack"):
@@ -122,6 +153,15 @@ class EventsReply(msgspec.Struct, tag="events_reply"):
 
 class ErrorReply(msgspec.Struct, tag="error"):
     message: str
+    code: str = INVALID
+
+
+def check(request: Request) -> None:
+    """Bounds msgspec cannot state (namespaces are limited in encoded bytes, as the chunk
+    header stores them); raises ValueError."""
+    namespace = getattr(request, "namespace", None)
+    if namespace is not None and len(namespace.encode()) > MAX_NAMESPACE_BYTES:
+        raise ValueError(f"namespace is longer than {MAX_NAMESPACE_BYTES} bytes")
 
 
 Reply = HelloReply | LookupReply | LeaseReply | Ack | StatsReply | EventsReply | ErrorReply

@@ -8,8 +8,15 @@ it wait nor by leaving it no slot to store into.
 
 Lookup and promotion: keys missing from the pool are asked of the tiers in order, one batch
 per tier; a found chunk is read straight into a reserved pool slot, verified, and published
-there before a client may read it. Both have a time budget: what is
-not answered in time is a miss, so no client waits past its own timeout.
+there before a client may read it. Both have a time budget, counted from the request's
+arrival: what is not answered in time is a miss, so no client waits past its own timeout.
+Promotions hold at most a share of the pool (see host_tier.py).
+
+Health: a tier whose last FAILURES_TO_UNHEALTHY operations failed or timed out is marked
+unhealthy (metric kvtier_tier_healthy, `healthy` in its stats): it answers no lookups and
+takes no write-backs, so a dead endpoint costs neither time nor false hits (an object store
+would otherwise keep answering "present" from its cache of known objects). The upkeep thread
+probes it each interval and marks it healthy again once a probe succeeds.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from kvtier.agent.tiers import CorruptChunk, SecondaryTier, build_tier
 log = logging.getLogger("kvtier.agent.secondary")
 
 MISS = -1
+FAILURES_TO_UNHEALTHY = 3
 
 
 @dataclass
@@ -49,10 +57,21 @@ class _Tier:
         return self.config.name
 
     lock: threading.Lock = field(default_factory=threading.Lock)
+    failures: int = 0  # operations failed or timed out in a row
+    healthy: bool = True
 
     def count(self, what: str, n: int = 1) -> None:
         with self.lock:
             self.counts[what] = self.counts.get(what, 0) + n
+
+    def outcome(self, ok: bool) -> bool:
+        """Record an operation's outcome; True when it turned the tier unhealthy."""
+        with self.lock:
+            self.failures = 0 if ok else self.failures + 1
+            turned = self.healthy and self.failures >= FAILURES_TO_UNHEALTHY
+            if turned:
+                self.healthy = False
+            return turned
 
 
 class SecondaryTiers:
@@ -122,6 +141,8 @@ class SecondaryTiers:
 
     def _enqueue(self, tier: _Tier, entry: Entry) -> None:
         reason = "pool_pressure" if self._pins >= self._max_pins else None
+        if not tier.healthy:
+            reason = "unhealthy"
         if reason is None:
             try:
                 tier.queue.put_nowait(entry)
@@ -144,7 +165,9 @@ class SecondaryTiers:
                 self.metrics.writeback_dropped.labels(tier.name, "error").inc()
                 self.metrics.tier_errors.labels(tier.name, "write").inc()
                 log.warning("tier %s: write failed: %s", tier.name, exc)
+                self._outcome(tier, False)
             else:
+                self._outcome(tier, True)
                 tier.count("writebacks")
                 self.metrics.writebacks.labels(tier.name).inc()
                 self.metrics.tier_seconds.labels(tier.name, "write").observe(
@@ -157,14 +180,16 @@ class SecondaryTiers:
 
     # --- lookup and promotion (called on the agent's request workers) --------------------
 
-    def locate(self, namespace: str, keys: list[bytes]) -> list[int]:
-        """For each key, the position (1-based) of the first tier holding it, or MISS."""
+    def locate(self, namespace: str, keys: list[bytes], deadline: float) -> list[int]:
+        """For each key, the position (1-based) of the first healthy tier holding it, or
+        MISS; what is not answered by `deadline` is a MISS."""
         where = [MISS] * len(keys)
-        deadline = time.monotonic() + self.budget
         todo = list(range(len(keys)))
         for position, tier in enumerate(self.tiers, start=1):
             if not todo:
                 break
+            if not tier.healthy:
+                continue
             batch = [keys[i] for i in todo]
             found = self._timed(tier, "exists", deadline, tier.backend.exists, namespace, batch)
             if found is None:
@@ -179,22 +204,26 @@ class SecondaryTiers:
             todo = [i for i, hit in zip(todo, found, strict=True) if not hit]
         return where
 
-    def promote(self, namespace: str, keys: list[bytes]) -> dict[bytes, int]:
-        """Copy chunks into the pool from the first tier that has them, tier by tier: a tier
-        that reads in batches gets every key still missing in one call, the others one read
-        per key, in parallel. Returns the tier position each key came from (absent keys are
-        left out)."""
-        deadline = time.monotonic() + self.budget
+    def promote(self, namespace: str, keys: list[bytes], deadline: float) -> dict[bytes, int]:
+        """Copy chunks into the pool from the first healthy tier that has them, tier by
+        tier: a tier that reads in batches gets every key still missing in one call, the
+        others one read per key, in parallel. Returns the tier position each key came from
+        (absent keys are left out); what has not arrived by `deadline` is left out too."""
         found: dict[bytes, int] = {}
         todo = list(keys)
         for position, tier in enumerate(self.tiers, start=1):
             if not todo or time.monotonic() >= deadline:
                 break
+            if not tier.healthy:
+                continue
             batches = [todo] if tier.backend.reads_in_batches else [[key] for key in todo]
             jobs = [self._io.submit(self._promote_batch, tier, namespace, b) for b in batches]
             wait_futures(jobs, timeout=max(0.0, deadline - time.monotonic()))
             for job in jobs:
-                if job.done() and job.exception() is None:
+                if not job.done():
+                    tier.count("read_timeouts")
+                    self._outcome(tier, False)
+                elif job.exception() is None:
                     found.update((key, position) for key in job.result())
             todo = [key for key in todo if key not in found]
         return found
@@ -220,7 +249,9 @@ class SecondaryTiers:
             tier.count("read_errors")
             self.metrics.tier_errors.labels(tier.name, "read").inc()
             log.warning("tier %s: read failed: %s", tier.name, exc)
+            self._outcome(tier, False)
             return []
+        self._outcome(tier, True)
         promoted = [key for key, ok in zip(keys, held, strict=True) if ok]
         if promoted:
             tier.count("promotions", len(promoted))
@@ -240,15 +271,39 @@ class SecondaryTiers:
             tier.count(f"{op}_errors")
             self.metrics.tier_errors.labels(tier.name, op).inc()
             log.warning("tier %s: %s failed or timed out: %s", tier.name, op, type(exc).__name__)
+            self._outcome(tier, False)
             return None
+        self._outcome(tier, True)
         self.metrics.tier_seconds.labels(tier.name, op).observe(time.perf_counter() - started)
         return result
+
+    def _outcome(self, tier: _Tier, ok: bool) -> None:
+        if tier.outcome(ok):
+            self.metrics.tier_healthy.labels(tier.name).set(0)
+            log.warning(
+                "tier %s: %d operations in a row failed; it answers no lookups until a probe "
+                "succeeds",
+                tier.name,
+                FAILURES_TO_UNHEALTHY,
+            )
+
+    def _probe(self, tier: _Tier) -> None:
+        """Try an unhealthy tier with a cheap request; healthy again if it answers."""
+        deadline = time.monotonic() + self.budget
+        if self._timed(tier, "probe", deadline, tier.backend.probe) is None:
+            return
+        with tier.lock:
+            tier.healthy, tier.failures = True, 0
+        self.metrics.tier_healthy.labels(tier.name).set(1)
+        log.info("tier %s: a probe succeeded; it answers lookups again", tier.name)
 
     # --- upkeep and reporting ------------------------------------------------------------
 
     def _maintain_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
             for tier in self.tiers:
+                if not tier.healthy:
+                    self._probe(tier)
                 try:
                     evicted = tier.backend.maintain()
                 except Exception as exc:
@@ -261,6 +316,7 @@ class SecondaryTiers:
 
     def _bind_gauges(self, tier: _Tier) -> None:
         m, backend = self.metrics, tier.backend
+        m.tier_healthy.labels(tier.name).set(1)
         m.capacity_bytes.labels(tier.name).set_function(lambda: backend.usage().capacity_bytes)
         m.used_bytes.labels(tier.name).set_function(lambda: backend.usage().used_bytes)
         m.chunks.labels(tier.name).set_function(lambda: backend.usage().objects)
@@ -277,6 +333,7 @@ class SecondaryTiers:
                     "used_bytes": usage.used_bytes,
                     "chunks": usage.objects,
                     "queued": tier.queue.qsize(),
+                    "healthy": tier.healthy,
                     **tier.counts,
                     **tier.backend.counters(),
                 }

@@ -4,12 +4,19 @@ One thread owns the socket. Requests the pool can answer alone (most of them) ar
 dictionary operations and are answered inline. A lookup or load that must ask secondary
 tiers goes to a worker pool; its reply comes back to the loop over an inproc socket and is
 sent from there (ZMQ sockets belong to one thread), so a slow tier never stalls other
-clients. Lease reaping runs between requests, on the loop's poll timeout.
+clients; its time budget counts from the request's arrival, so time spent queued for a worker
+is part of it. Lease reaping runs between requests, on the loop's poll timeout.
+
+Every request is decoded against the protocol's bounds and checked completely before
+anything changes: a refused request is answered (or, one-way, counted) and leaves the index,
+the leases and the pool as they were. A client is bound to its connection by Hello; the
+connection's client, never a field of the request, holds the leases it is granted.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -25,6 +32,7 @@ import kvtier
 from kvtier.agent import protocol as p
 from kvtier.agent.config import AgentConfig, check_runtime
 from kvtier.agent.host_tier import HostTier
+from kvtier.agent.index import LeaseError
 from kvtier.agent.liveness import ClientRegistry
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.report import Reporter, make_registry
@@ -36,6 +44,11 @@ from kvtier.agent.tiers.peer_server import PeerServer
 log = logging.getLogger("kvtier.agent")
 
 Deferred = Callable[[], p.Reply]
+MAX_SESSIONS = 4096  # connections that said hello, whose clients are not known gone
+
+
+class NotRegistered(ValueError):
+    """A request on a connection that has not said hello to this agent process."""
 
 
 class Agent:
@@ -43,8 +56,9 @@ class Agent:
         check_runtime(config)
         self.config = config
         self.metrics = AgentMetrics()
+        self.boot = secrets.randbits(31) + 1  # names this process in lease ids, generations
         self.host = HostTier(
-            config.host, config.pool_path, self.metrics, config.lease_timeout_seconds
+            config.host, config.pool_path, self.metrics, config.lease_timeout_seconds, self.boot
         )
         self.registry = make_registry(config.report)
         self.peer_server: PeerServer | None = None
@@ -80,11 +94,13 @@ class Agent:
             else None
         )
         self.clients = ClientRegistry(config.run_dir / "clients")
+        self._sessions: dict[bytes, str] = {}  # connection identity -> client id
         self.stopping = threading.Event()
         self.metrics_port: int | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
         config.socket_path.unlink(missing_ok=True)
         self._sock.bind(config.endpoint)
         self._replies_addr = f"inproc://kvtier-replies-{id(self)}"
@@ -138,9 +154,17 @@ class Agent:
             if self._sock in ready:
                 self._handle(self._sock.recv_multipart())
             if time.monotonic() >= next_reap:
-                self.host.reclaim(time.monotonic(), self.clients.gone())
+                self._reap()
                 next_reap = time.monotonic() + cfg.reap_interval_seconds
         self.close()
+
+    def _reap(self) -> None:
+        dead = self.clients.gone()
+        self.host.reclaim(time.monotonic(), dead)
+        if dead:
+            gone = set(dead)
+            self._sessions = {i: c for i, c in self._sessions.items() if c not in gone}
+        self.clients.sweep()
 
     def close(self) -> None:
         if self.reporter is not None:
@@ -160,6 +184,7 @@ class Agent:
 
     def _handle(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
+            self.metrics.refused.labels("invalid", p.INVALID).inc()
             return
         identity, rid, body = frames
         started = time.perf_counter()
@@ -168,9 +193,10 @@ class Agent:
         try:
             request = p.request_decoder.decode(body)
             op = str(type(request).__struct_config__.tag)
-            reply = self._dispatch(request)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            reply = p.ErrorReply(str(exc))
+            p.check(request)
+            reply = self._dispatch(identity, request, time.monotonic())
+        except Exception as exc:
+            reply = self._refusal(op, exc)
         if callable(reply):
             self._workers.submit(self._run_deferred, identity, rid, reply, op, started)
             return
@@ -180,6 +206,21 @@ class Agent:
         self.host.after_reply()
         self.metrics.request_seconds.labels(op).observe(elapsed)
 
+    def _refusal(self, op: str, exc: Exception) -> p.ErrorReply:
+        """The answer to a request that changed nothing; an unexpected error is logged, as
+        it is a bug, but answered all the same."""
+        if isinstance(exc, NotRegistered):
+            code = p.NOT_REGISTERED
+        elif isinstance(exc, LeaseError):
+            code = p.LEASE
+        elif isinstance(exc, (msgspec.DecodeError, msgspec.ValidationError, ValueError)):
+            code = p.INVALID
+        else:
+            log.exception("request %s failed", op)
+            code = "internal"
+        self.metrics.refused.labels(op, code).inc()
+        return p.ErrorReply(str(exc), code)
+
     def _run_deferred(
         self, identity: bytes, rid: bytes, work: Deferred, op: str, started: float
     ) -> None:
@@ -187,7 +228,7 @@ class Agent:
             reply = work()
         except Exception as exc:
             log.exception("request %s failed", op)
-            reply = p.ErrorReply(f"{type(exc).__name__}: {exc}")
+            reply = p.ErrorReply(f"{type(exc).__name__}: {exc}", "internal")
         push = getattr(self._local, "push", None)
         if push is None:
             push = self._local.push = self._ctx.socket(zmq.PUSH)
@@ -195,29 +236,44 @@ class Agent:
         push.send_multipart([identity, rid, p.encode(reply)])
         self.metrics.request_seconds.labels(op).observe(time.perf_counter() - started)
 
-    def _dispatch(self, request: p.Request) -> p.Reply | Deferred:
+    def _client(self, identity: bytes) -> str:
+        client = self._sessions.get(identity)
+        if client is None:
+            raise NotRegistered(
+                "this connection has not said hello to this agent process (it restarted?); "
+                "say hello again: leases granted before are void"
+            )
+        return client
+
+    def _dispatch(self, identity: bytes, request: p.Request, now: float) -> p.Reply | Deferred:
         host = self.host
+        if isinstance(request, p.Hello):
+            return self._hello(identity, request)
+        client = self._client(identity)
+        deadline = now + self.config.tier_budget_seconds
         match request:
             case p.Lookup(namespace, keys, source):
                 hits, prefix = host.lookup(namespace, keys)
                 if self.tiers is not None and prefix < len(keys):
-                    return lambda: self._lookup_tiers(namespace, keys, hits, source)
+                    return lambda: self._lookup_tiers(namespace, keys, hits, source, deadline)
                 return p.LookupReply(hits, prefix, [0 if h else MISS for h in hits])
-            case p.Allocate(client, namespace, keys, nbytes):
-                return p.LeaseReply(*host.allocate(client, namespace, keys, nbytes))
+            case p.Allocate(namespace, keys, nbytes):
+                lease, slots, generations = host.allocate(client, namespace, keys, nbytes)
+                return p.LeaseReply(lease, slots, [], generations)
             case p.Commit(lease):
-                host.commit(lease)
+                host.commit(lease, client)
             case p.Abort(lease):
-                host.abort(lease)
-            case p.BeginLoad(client, namespace, keys, source):
+                host.abort(lease, client)
+            case p.BeginLoad(namespace, keys, source):
                 if self.tiers is not None and host.missing(namespace, keys):
-                    return lambda: self._load_with_promotion(client, namespace, keys, source)
-                lease, slots = host.begin_load(client, namespace, keys)
-                return p.LeaseReply(lease, slots, [0 if s >= 0 else MISS for s in slots])
+                    return lambda: self._load_with_promotion(
+                        client, namespace, keys, source, deadline
+                    )
+                lease, slots, generations = host.begin_load(client, namespace, keys)
+                where = [0 if s >= 0 else MISS for s in slots]
+                return p.LeaseReply(lease, slots, where, generations)
             case p.EndLoad(lease):
-                host.end_load(lease)
-            case p.Hello(client, lock, protocol):
-                return self._hello(client, lock, protocol)
+                host.end_load(lease, client)
             case p.Events(namespace, after):
                 with host.lock:
                     batch = host.index.events.since(namespace, after)
@@ -232,12 +288,12 @@ class Agent:
             self.peer_tier.ask_source(source, namespace, keys)
 
     def _lookup_tiers(
-        self, namespace: str, keys: list[bytes], hits: list[bool], source: str = ""
+        self, namespace: str, keys: list[bytes], hits: list[bool], source: str, deadline: float
     ) -> p.Reply:
         assert self.tiers is not None
         missing = [i for i, hit in enumerate(hits) if not hit]
         self._ask_source(source, namespace, [keys[i] for i in missing])
-        found = self.tiers.locate(namespace, [keys[i] for i in missing])
+        found = self.tiers.locate(namespace, [keys[i] for i in missing], deadline)
         where = [0 if hit else MISS for hit in hits]
         for i, position in zip(missing, found, strict=True):
             where[i] = position
@@ -246,26 +302,32 @@ class Agent:
         return p.LookupReply(all_hits, prefix, where)
 
     def _load_with_promotion(
-        self, client: str, namespace: str, keys: list[bytes], source: str = ""
+        self, client: str, namespace: str, keys: list[bytes], source: str, deadline: float
     ) -> p.Reply:
         assert self.tiers is not None
         missing = self.host.missing(namespace, keys)
         self._ask_source(source, namespace, missing)
-        promoted = self.tiers.promote(namespace, missing)
-        lease, slots = self.host.begin_load(client, namespace, keys)
+        promoted = self.tiers.promote(namespace, missing, deadline)
+        lease, slots, generations = self.host.begin_load(client, namespace, keys)
         where = [
             MISS if slot < 0 else promoted.get(key, 0)
             for key, slot in zip(keys, slots, strict=True)
         ]
-        return p.LeaseReply(lease, slots, where)
+        return p.LeaseReply(lease, slots, where, generations)
 
-    def _hello(self, client: str, lock: str, protocol: int) -> p.HelloReply:
-        if protocol != p.PROTOCOL_VERSION:
+    def _hello(self, identity: bytes, hello: p.Hello) -> p.HelloReply:
+        if hello.protocol != p.PROTOCOL_VERSION:
             raise ValueError(
-                f"client speaks protocol {protocol}, agent {p.PROTOCOL_VERSION}; "
+                f"client speaks protocol {hello.protocol}, agent {p.PROTOCOL_VERSION}; "
                 "run a plug-in and agent of the same kvtier release"
             )
-        self.clients.register(client, lock)
+        self.clients.register(hello.client, hello.lock)
+        # A client's earlier connections are dead (it rebuilds its socket after a timeout);
+        # past the cap the oldest session goes, and its client simply says hello again.
+        self._sessions = {i: c for i, c in self._sessions.items() if c != hello.client}
+        if len(self._sessions) >= MAX_SESSIONS:
+            del self._sessions[next(iter(self._sessions))]
+        self._sessions[identity] = hello.client
         g = self.host.geometry
         return p.HelloReply(
             pool=str(self.config.pool_path),
@@ -274,6 +336,7 @@ class Agent:
             lease_timeout_seconds=self.config.lease_timeout_seconds,
             agent_version=kvtier.__version__,
             tiers=self.tiers.names if self.tiers is not None else [],
+            boot=self.boot,
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.agent.index import BUSY, EXISTS, FULL, MISS, HostIndex
+from kvtier.agent.index import BUSY, EXISTS, FULL, MISS, HostIndex, LeaseError
 from kvtier.agent.policy import make_policy
 
 
@@ -17,20 +17,20 @@ FAR = 1e12
 
 
 def store(index: HostIndex, *keys: bytes, client: str = "c") -> list[int]:
-    lease, slots = index.allocate(client, "ns", list(keys), 10, FAR)
-    index.commit(lease)
+    lease, slots, _ = index.allocate(client, "ns", list(keys), 10, FAR)
+    index.commit(lease, client)
     return slots
 
 
 def test_uncommitted_chunk_is_not_readable(index: HostIndex) -> None:
-    lease, slots = index.allocate("c", "ns", [b"a"], 10, FAR)
+    lease, slots, _ = index.allocate("c", "ns", [b"a"], 10, FAR)
     assert slots[0] >= 0
     assert index.lookup("ns", [b"a"]) == ([False], 0)
-    assert index.begin_load("c", "ns", [b"a"], FAR) == (0, [MISS])
+    assert index.begin_load("c", "ns", [b"a"], FAR) == (0, [MISS], [0])
     assert index.allocate("d", "ns", [b"a"], 10, FAR)[1] == [BUSY]
-    index.commit(lease)
+    index.commit(lease, "c")
     assert index.lookup("ns", [b"a"]) == ([True], 1)
-    assert index.allocate("d", "ns", [b"a"], 10, FAR) == (0, [EXISTS])
+    assert index.allocate("d", "ns", [b"a"], 10, FAR) == (0, [EXISTS], [0])
 
 
 def test_lookup_prefix_and_namespaces(index: HostIndex) -> None:
@@ -42,10 +42,10 @@ def test_lookup_prefix_and_namespaces(index: HostIndex) -> None:
 
 def test_leased_chunks_are_not_evicted(index: HostIndex) -> None:
     store(index, b"a", b"b", b"c", b"d")
-    lease, slots = index.begin_load("c", "ns", [b"a", b"b", b"c", b"d"], FAR)
+    lease, slots, _ = index.begin_load("c", "ns", [b"a", b"b", b"c", b"d"], FAR)
     assert min(slots) >= 0
-    assert index.allocate("c", "ns", [b"e"], 10, FAR) == (0, [FULL])
-    index.end_load(lease)
+    assert index.allocate("c", "ns", [b"e"], 10, FAR) == (0, [FULL], [0])
+    index.end_load(lease, "c")
     assert index.allocate("c", "ns", [b"e"], 10, FAR)[1][0] >= 0
     assert index.counters.evictions == 1
 
@@ -58,21 +58,24 @@ def test_eviction_reuses_slot_and_forgets_key(index: HostIndex) -> None:
 
 
 def test_aborted_store_frees_slots(index: HostIndex) -> None:
-    lease, _ = index.allocate("c", "ns", [b"a", b"b"], 10, FAR)
-    index.abort(lease)
+    lease, _, _ = index.allocate("c", "ns", [b"a", b"b"], 10, FAR)
+    index.abort(lease, "c")
     assert index.free_slots == 4
     assert index.lookup("ns", [b"a"]) == ([False], 0)
 
 
 def test_expired_leases_are_released(index: HostIndex) -> None:
     store(index, b"a")
-    load, _ = index.begin_load("c", "ns", [b"a"], deadline=5.0)
+    load, _, _ = index.begin_load("c", "ns", [b"a"], deadline=5.0)
     index.allocate("c", "ns", [b"x", b"y"], 10, deadline=5.0)
     assert index.expire(now=4.0) == []
     assert len(index.expire(now=6.0)) == 2
     assert index.leases == 0 and index.pinned_slots() == 0
     assert index.free_slots == 3
-    index.end_load(load)  # late end of an expired lease is harmless
+    with pytest.raises(LeaseError):  # an expired lease is reclaimed once, never again
+        index.end_load(load, "c")
+    assert index.expire(now=7.0) == []
+    assert index.free_slots == 3 and index.pinned_slots() == 0
     assert index.lookup("ns", [b"a"]) == ([True], 1)
 
 
@@ -80,10 +83,10 @@ def test_release_client_frees_only_its_leases(index: HostIndex) -> None:
     store(index, b"a", b"b")
     index.begin_load("dead", "ns", [b"a"], FAR)
     index.allocate("dead", "ns", [b"x"], 10, FAR)
-    kept, _ = index.begin_load("alive", "ns", [b"b"], FAR)
+    kept, _, _ = index.begin_load("alive", "ns", [b"b"], FAR)
     assert len(index.release_client("dead")) == 2
     assert index.leases == 1 and index.pinned_slots() == 1
-    index.end_load(kept)
+    index.end_load(kept, "alive")
     assert index.pinned_slots() == 0
 
 
@@ -118,3 +121,40 @@ def test_hits_applied_by_an_eviction_still_reach_take_touched(index: HostIndex) 
     assert sorted(e.id[1] for e in touched) == [b"a", b"b"]
     assert all(e.hits == 1 for e in touched)
     assert index.take_touched() == []
+
+
+def test_a_lease_is_used_only_by_its_holder_and_for_its_kind(index: HostIndex) -> None:
+    store(index, b"a")
+    load, _, _ = index.begin_load("c", "ns", [b"a"], FAR)
+    lease, _, _ = index.allocate("c", "ns", [b"x"], 10, FAR)
+    before = (index.leases, index.pinned_slots(), index.free_slots)
+    with pytest.raises(LeaseError):
+        index.commit(lease, "someone-else")
+    with pytest.raises(LeaseError):
+        index.end_load(load, "someone-else")
+    with pytest.raises(ValueError, match="load lease"):
+        index.commit(load, "c")
+    with pytest.raises(ValueError, match="store lease"):
+        index.end_load(lease, "c")
+    assert (index.leases, index.pinned_slots(), index.free_slots) == before
+    index.commit(lease, "c")
+    index.end_load(load, "c")
+    assert index.pinned_slots() == 0
+
+
+def test_leases_and_generations_of_another_boot_never_match() -> None:
+    first, second = (HostIndex(4, make_policy("lru", 4), boot) for boot in (1, 2))
+    lease, _, generations = first.allocate("c", "ns", [b"a"], 10, FAR)
+    other, _, other_generations = second.allocate("c", "ns", [b"b"], 10, FAR)
+    assert lease != other and generations != other_generations
+    with pytest.raises(LeaseError):
+        second.commit(lease, "c")
+
+
+def test_every_allocation_gets_a_new_generation(index: HostIndex) -> None:
+    seen = set()
+    for i in range(12):  # three times the slots: every slot is reused
+        lease, _, generations = index.allocate("c", "ns", [b"%d" % i], 10, FAR)
+        index.commit(lease, "c")
+        seen.add(generations[0])
+    assert len(seen) == 12

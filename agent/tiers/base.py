@@ -95,6 +95,13 @@ class SecondaryTier(ABC):
                 results.append(exc)
         return results
 
+    def probe(self) -> bool:
+        """A cheap request that raises when the tier cannot be reached (True otherwise):
+        the agent asks it of a tier marked unhealthy, bypassing any cache, to learn when it
+        works again."""
+        self.exists("kvtier-probe", [b"probe"])
+        return True
+
     @abstractmethod
     def usage(self) -> TierUsage: ...
 

@@ -7,6 +7,11 @@ file's modification time is its access record: reads refresh it (at most every
 and eviction removes the least recently used files once usage passes the high watermark.
 Removing a file another agent is reading is safe: POSIX keeps an open file's data until it
 is closed, and every read is verified against the header checksum anyway.
+
+Files that failed verification are moved to `.quarantine/` for inspection: they count as
+used space (they fill the volume like any file), are the first to go when the tier is over
+its high watermark, and are removed after QUARANTINE_SECONDS. Temporary files of writers
+count as used too; those older than STALE_TEMP_SECONDS are left by dead writers and removed.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ log = logging.getLogger("kvtier.agent.tiers.filesystem")
 
 QUARANTINE = ".quarantine"
 STALE_TEMP_SECONDS = 3600.0
+QUARANTINE_SECONDS = 3600.0
 
 
 def _aligned(n: int) -> int:
@@ -71,6 +77,7 @@ def _vectored(
 
 
 _local = threading.local()
+_File = tuple[float, int, Path]  # modification time, size, path
 
 
 def _header_page() -> memoryview:
@@ -142,10 +149,12 @@ class FilesystemTier(SecondaryTier):
                 _vectored(os.pwritev, fd, [header.page(), payload[: header.length]], 0)
             if self.config.fsync:
                 os.fsync(fd)
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                self._next_scan = 0.0  # the volume is fuller than counted: rescan now
             raise
         os.close(fd)
         os.rename(tmp, path)
@@ -185,8 +194,9 @@ class FilesystemTier(SecondaryTier):
             return TierUsage(self.config.capacity, self._used, self._objects)
 
     def maintain(self) -> int:
-        """Rescan when due (other agents write here too), then evict least recently used
-        files from above the high watermark down to the low one."""
+        """Rescan when due (other agents write here too), then evict from above the high
+        watermark down to the low one: quarantined files first, then the least recently
+        used chunks."""
         now = time.monotonic()
         cfg = self.config
         with self._lock:
@@ -194,29 +204,33 @@ class FilesystemTier(SecondaryTier):
         if now < self._next_scan and not over:
             return 0
         self._next_scan = now + cfg.scan_interval_seconds
-        files = self._scan()
-        used = sum(size for _, size, _ in files)
+        chunks, quarantined, pending = self._scan()
+        used = pending + sum(size for _, size, _ in chunks + quarantined)
         evicted = 0
         if used > cfg.high_watermark * cfg.capacity:
             target = cfg.low_watermark * cfg.capacity
-            for _mtime, size, path in sorted(files):
+            for _mtime, size, path in sorted(quarantined) + sorted(chunks):
                 if used <= target:
                     break
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
-                    evicted += 1
+                    evicted += path.parent.name != QUARANTINE
                 used -= size
         with self._lock:
-            self._used, self._objects = used, len(files) - evicted
+            self._used, self._objects = used, len(chunks) - evicted
         if evicted:
             log.info("evicted %d files from tier %s", evicted, self.name)
         return evicted
 
-    def _scan(self) -> list[tuple[float, int, Path]]:
-        files: list[tuple[float, int, Path]] = []
-        stale = time.time() - STALE_TEMP_SECONDS
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames[:] = [d for d in dirnames if d != QUARANTINE]
+    def _scan(self) -> tuple[list[_File], list[_File], int]:
+        """The chunk files, the quarantined files and the bytes of writers' temporary files;
+        removes quarantined and temporary files past their age."""
+        chunks: list[_File] = []
+        quarantined: list[_File] = []
+        pending = 0
+        now = time.time()
+        for dirpath, _dirnames, filenames in os.walk(self.root):
+            in_quarantine = os.path.basename(dirpath) == QUARANTINE
             for name in filenames:
                 if name == "manifest.json":
                     continue
@@ -225,12 +239,19 @@ class FilesystemTier(SecondaryTier):
                     st = path.stat()
                 except FileNotFoundError:
                     continue
-                if name.startswith(".tmp-"):
-                    if st.st_mtime < stale:  # left by a writer that died
+                if in_quarantine:
+                    if st.st_mtime < now - QUARANTINE_SECONDS:
                         path.unlink(missing_ok=True)
-                    continue
-                files.append((st.st_mtime, st.st_size, path))
-        return files
+                    else:
+                        quarantined.append((st.st_mtime, st.st_size, path))
+                elif name.startswith(".tmp-"):
+                    if st.st_mtime < now - STALE_TEMP_SECONDS:  # left by a writer that died
+                        path.unlink(missing_ok=True)
+                    else:
+                        pending += st.st_size
+                else:
+                    chunks.append((st.st_mtime, st.st_size, path))
+        return chunks, quarantined, pending
 
     def _quarantine(self, path: Path) -> None:
         """Move a bad file aside (for inspection) so no agent reads it again."""

@@ -159,6 +159,11 @@ class ObjectStoreTier(SecondaryTier):
             self._remember(name, HEADER_BYTES + header.length)
         return header
 
+    def probe(self) -> bool:
+        """The bucket itself, as the known-objects cache answers most existence checks."""
+        self.s3.head_bucket(Bucket=self.bucket)
+        return True
+
     # --- upkeep ------------------------------------------------------------------------
 
     def usage(self) -> TierUsage:

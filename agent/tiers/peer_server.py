@@ -16,7 +16,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.config import PeerTierConfig
-from kvtier.agent.host_tier import HostTier
+from kvtier.agent.host_tier import LENDER, HostTier
 from kvtier.agent.tiers.nixl_path import NixlPath, available
 from kvtier.agent.tiers.peer_directory import Directory
 from kvtier.agent.tiers.peer_wire import (
@@ -125,7 +125,7 @@ class PeerServer:
             return self.nixl.metadata if self.nixl is not None else b""
         elif isinstance(request, Return):
             if self._loans.pop(request.lease, None) is not None:
-                self.host.end_load(request.lease)
+                self.host.end_load(request.lease, LENDER)
         elif isinstance(request, Damaged):
             self.host.reverify(request.namespace, request.keys)
         elif isinstance(request, Lend):
@@ -178,7 +178,7 @@ class PeerServer:
         lease = 0
         if asked:
             host = self.host
-            lease, slots = host.begin_load("kvtier-peer", namespace, asked)
+            lease, slots, _ = host.begin_load(LENDER, namespace, asked)
             with host.lock:
                 for key, slot in zip(asked, slots, strict=True):
                     entry = host.index.get(namespace, key) if slot >= 0 else None
@@ -191,14 +191,14 @@ class PeerServer:
         still = []
         for tracker, lease, slots in self._sending:
             if tracker.done:
-                self.host.end_load(lease)
+                self.host.end_load(lease, LENDER)
             else:
                 still.append((tracker, lease, slots))
         self._sending = still
         now = time.monotonic()
         for lease in [lease for lease, (deadline, _) in self._loans.items() if deadline < now]:
             del self._loans[lease]
-            self.host.end_load(lease)
+            self.host.end_load(lease, LENDER)
 
     def close(self) -> None:
         self._stop.set()
