@@ -395,7 +395,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
             self._job_failed(job, "load", exc)
             return
         self._set_available(True)
-        loaded = [k for k, s in zip(keys, grant.slots, strict=True) if s >= 0]
+        # A slot that changed hands during the copy (its lease expired) gave other bytes.
+        loaded = [
+            k for i, k in enumerate(keys) if grant.slots[i] >= 0 and client.still_granted(grant, i)
+        ]
         seconds = time.perf_counter() - started
         nbytes = len(loaded) * self._row_bytes
         self._record("counter", Metrics.LOAD_BYTES, nbytes)
