@@ -1,28 +1,37 @@
-# One image for the operator (`kvtier operator`), the node agent (`kvtier agent`) and the
-# plug-in payload the webhook's init container copies into vLLM pods. torch-free: the agent
-# and operator never need it, and the plug-in runs inside vLLM's own environment.
-FROM python:3.11-slim AS build
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY requirements requirements
-COPY kvtier kvtier
-COPY agent agent
-COPY operator operator
-COPY bench bench
-RUN pip wheel --no-cache-dir --wheel-dir /wheels -r requirements/base.txt \
- && pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
- && pip download --no-cache-dir --no-deps --dest /wheels-nixl -r requirements/nixl.txt
+# One image for the operator (`kvtier operator`), the node agent (`kvtier agent`), the CSI
+# node plugin (`kvtier csi`) and the plug-in payload the webhook's init container copies into
+# vLLM pods. torch-free: the agent and operator never need it, and the plug-in runs inside
+# vLLM's own environment. `make image` builds and verifies this file offline (BASE and
+# PIP_OPTIONS point it at a local base and wheelhouse); release pipelines build it as it is.
+ARG BASE=python:3.11-slim
 
-FROM python:3.11-slim
-COPY --from=build /wheels /wheels
-COPY --from=build /wheels-nixl /wheels-nixl
-RUN pip install --no-cache-dir --no-index /wheels/*.whl \
- && pip install --no-cache-dir --no-index --no-deps /wheels-nixl/*.whl \
- && rm -rf /wheels /wheels-nixl \
+FROM ${BASE} AS build
+ARG PIP_OPTIONS=""
+WORKDIR /src
+COPY . .
+RUN pip wheel --no-cache-dir ${PIP_OPTIONS} --wheel-dir /wheels -r requirements/base.txt \
+ && pip wheel --no-cache-dir ${PIP_OPTIONS} --no-deps --wheel-dir /wheels . \
+ && pip download --no-cache-dir ${PIP_OPTIONS} --no-deps --dest /wheels/nixl \
+        -r requirements/nixl.txt
+
+FROM ${BASE}
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+LABEL org.opencontainers.image.source="https://kvtier.io/source" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.title="kvtier" \
+      org.opencontainers.image.licenses="Apache-2.0"
+# The wheels are bind-mounted from the build stage, so no layer keeps them.
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --no-index --no-compile /wheels/*.whl \
+ && pip install --no-cache-dir --no-index --no-deps --no-compile /wheels/nixl/*.whl \
+ && rm -rf "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nixl_ep_cu12" \
  && mkdir -p /opt/kvtier/plugin \
  && cp -r "$(python -c 'import kvtier, os; print(os.path.dirname(kvtier.__file__))')" \
           /opt/kvtier/plugin/ \
- && useradd --uid 65532 --user-group --no-create-home --shell /usr/sbin/nologin kvtier
+ && groupadd --gid 65532 kvtier \
+ && useradd --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin kvtier
 USER 65532:65532
 ENTRYPOINT ["kvtier"]
 CMD ["--help"]

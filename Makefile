@@ -12,7 +12,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvtier-installed
 
-.PHONY: demo test lint bench e2e clean vllm-env
+.PHONY: demo test lint bench e2e image clean vllm-env
 
 $(STAMP): pyproject.toml requirements/base.txt requirements/dev.txt requirements/nixl.txt tools/fetch_helm.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,12 @@ lint: $(STAMP)
 	ln -s $(CURDIR)/bench $(TYPECHECK)/kvtier/bench
 	ln -s $(CURDIR)/operator $(TYPECHECK)/kvtier/operator
 	MYPYPATH=$(TYPECHECK) $(VENV)/bin/mypy -p kvtier
+
+# The kvtier image, built offline from a Debian root filesystem and verified by running it
+# (root; installs podman, runc, skopeo and debootstrap when missing). Also builds the
+# Dockerfile against a stand-in of its base. Writes .scratch/image/kvtier-<version>.oci.tar.
+image: $(STAMP)
+	bash tools/build_image.sh
 
 bench: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/kvtier bench host

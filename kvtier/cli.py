@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +15,10 @@ from pathlib import Path
 def _agent(args: argparse.Namespace) -> int:
     from kvtier.agent.config import ConfigError, check_runtime, load_config
     from kvtier.agent.logs import setup_logging
+
+    # The tier's group is the boundary: what the agent creates in the tier's directory (its
+    # socket, pool and lock files) is for the group, and for nobody else.
+    os.umask(0o007)
 
     try:
         config = load_config(args.config)
@@ -68,6 +73,18 @@ def _vllm_config(args: argparse.Namespace) -> int:
 
 def _operator(args: argparse.Namespace) -> int:
     import kopf
+    from lightkube.config.kubeconfig import KubeConfig
+    from lightkube.core.exceptions import ConfigError as KubeConfigError
+
+    try:
+        KubeConfig.from_env()  # the service account in a pod, else KUBECONFIG or ~/.kube/config
+    except KubeConfigError as exc:
+        print(
+            f"kvtier operator: no Kubernetes credentials ({exc}); run it in a pod with a "
+            "service account, or set KUBECONFIG",
+            file=sys.stderr,
+        )
+        return 2
 
     import kvtier.operator.main  # noqa: F401  (registers the handlers)
 

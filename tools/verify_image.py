@@ -1,0 +1,271 @@
+"""Verifies a built kvtier image by running it with podman, as a cluster would run it: the CLI,
+the user it runs as, a real agent serving a client through a mounted socket directory and
+stopping cleanly on SIGTERM, an agent refusing a pool larger than its /dev/shm, the operator
+failing cleanly without a cluster, and the plug-in payload importable with only what vLLM's
+image has. With --archive, checks the saved OCI archive's config instead. Prints each check;
+exits non-zero on the first failure."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+UID = 65532
+# What a vLLM image does not have: the plug-in payload must import without them.
+NOT_IN_VLLM = ["kopf", "lightkube", "kubernetes", "boto3", "botocore", "grpc", "nixl_cu12"]
+
+
+CLIENT = """
+import numpy as np
+from kvtier.agent.client import AgentClient
+rows = [np.random.default_rng(i).integers(0, 255, 256 << 10, np.uint8) for i in range(8)]
+keys = [b"image-%026d" % i for i in range(8)]
+with AgentClient("ipc:///var/run/kvtier/run/agent.sock") as client:
+    client.store("image-check", keys, rows)
+    back = [np.zeros(256 << 10, np.uint8) for _ in rows]
+    loaded = client.load_into("image-check", keys, back)
+same = all(loaded) and all(np.array_equal(a, b) for a, b in zip(rows, back))
+print("intact" if same else "differs")
+"""
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}" + (f": {detail}" if detail else ""))
+    if not ok:
+        raise SystemExit(1)
+
+
+def podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["podman", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tier_dir() -> Path:
+    """A directory as the CSI plugin makes it: root and a group, setgid, group-only."""
+    base = Path(tempfile.mkdtemp(prefix="kvimg-"))
+    base.chmod(0o755)
+    for sub in ("", "pool", "run"):
+        path = base / "vol" / sub
+        path.mkdir(exist_ok=True)
+        os.chown(path, 0, UID)
+        path.chmod(0o2770)
+    return base
+
+
+def agent_config(name: str, pool_dir: str, capacity: str, port: int) -> dict[str, Any]:
+    return {
+        "name": name,
+        "runDir": "/var/run/kvtier/run",
+        "host": {"capacity": capacity, "chunkBytes": "256Ki", "poolDir": pool_dir},
+        "metrics": {"port": port, "host": "127.0.0.1"},
+    }
+
+
+def verify_running(image: str) -> None:
+    help_run = podman("run", "--rm", image, "--help")
+    check("kvtier --help", help_run.returncode == 0 and "agent" in help_run.stdout)
+    ids = podman("run", "--rm", "--entrypoint", "sh", image, "-c", "id -u; id -g")
+    check("runs as uid and gid 65532", ids.stdout.split() == [str(UID), str(UID)])
+    base = tier_dir()
+    try:
+        port = free_port()
+        config = base / "agent.yaml"
+        config.write_text(
+            yaml.safe_dump(agent_config("image", "/var/run/kvtier/pool", "64Mi", port))
+        )
+        config.chmod(0o644)
+        mounts = [
+            "-v",
+            f"{base / 'vol'}:/var/run/kvtier",
+            "-v",
+            f"{config}:/etc/kvtier/agent.yaml:ro",
+        ]
+        checked = podman(
+            "run", "--rm", *mounts, image, "agent", "--check", "--config", "/etc/kvtier/agent.yaml"
+        )
+        check(
+            "kvtier agent --check on a sample config",
+            checked.returncode == 0,
+            checked.stderr[-300:],
+        )
+        _serve_and_stop(image, mounts, base, port)
+        _refuse_oversized_pool(image, base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    _operator_without_cluster(image)
+    _plugin_payload(image)
+
+
+def _serve_and_stop(image: str, mounts: list[str], base: Path, port: int) -> None:
+    started = podman(
+        "run", "-d", "--network=host", *mounts, image, "agent", "--config", "/etc/kvtier/agent.yaml"
+    )
+    check("agent container started", started.returncode == 0, started.stderr[-300:])
+    container = started.stdout.strip()
+    try:
+        deadline = time.monotonic() + 60
+        metrics = ""
+        while time.monotonic() < deadline and "kvtier_" not in metrics:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    metrics = r.read().decode()
+            except OSError:
+                time.sleep(0.5)
+        check("agent serves /metrics", "kvtier_" in metrics)
+        # A second container, as a vLLM pod: another uid, with the tier's group.
+        client = podman(
+            "run",
+            "--rm",
+            "--network=none",
+            "--user",
+            "1000710000:1000710000",
+            "--group-add",
+            str(UID),
+            "-v",
+            f"{base / 'vol'}:/var/run/kvtier",
+            "--entrypoint",
+            "python",
+            image,
+            "-c",
+            CLIENT,
+        )
+        check(
+            "a client of another uid with the tier's group stores and loads through the "
+            "socket directory",
+            client.returncode == 0 and client.stdout.strip() == "intact",
+            (client.stdout + client.stderr).strip()[-300:],
+        )
+        podman("stop", "-t", "20", container)
+        code = podman("inspect", "--format", "{{.State.ExitCode}}", container).stdout.strip()
+        check("agent exits 0 on SIGTERM", code == "0", code)
+    finally:
+        podman("rm", "-f", container)
+
+
+def _refuse_oversized_pool(image: str, base: Path) -> None:
+    """Containers get a 64 MB /dev/shm: a 128Mi pool there must be refused at start, never
+    a SIGBUS later."""
+    config = base / "shm.yaml"
+    config.write_text(yaml.safe_dump(agent_config("shm", "/dev/shm/kvtier", "128Mi", free_port())))
+    config.chmod(0o644)
+    run = podman(
+        "run",
+        "--rm",
+        "-v",
+        f"{base / 'vol'}:/var/run/kvtier",
+        "-v",
+        f"{config}:/etc/kvtier/agent.yaml:ro",
+        image,
+        "agent",
+        "--config",
+        "/etc/kvtier/agent.yaml",
+        timeout=60,
+    )
+    said = run.stdout + run.stderr
+    check(
+        "a pool larger than the default 64 MB /dev/shm is refused at start",
+        run.returncode not in (0, 135, -7) and "host.capacity" in said,
+        said.strip().splitlines()[-1] if said.strip() else f"exit {run.returncode}",
+    )
+
+
+def _operator_without_cluster(image: str) -> None:
+    run = podman("run", "--rm", "--network=none", image, "operator", timeout=120)
+    said = (run.stdout + run.stderr).strip()
+    check(
+        "the operator without a cluster exits non-zero, saying why",
+        run.returncode == 2 and "no Kubernetes credentials" in said and "Traceback" not in said,
+        said.splitlines()[-1][:200] if said else "",
+    )
+
+
+def _plugin_payload(image: str) -> None:
+    """The plug-in's own imports, with what vLLM's image lacks made unimportable."""
+    found = podman(
+        "run", "--rm", "--entrypoint", "cat", image, "/opt/kvtier/plugin/kvtier/agent/vllm.py"
+    )
+    check("plug-in payload at /opt/kvtier/plugin", found.returncode == 0)
+    modules = sorted(
+        {
+            node.module
+            for node in ast.walk(ast.parse(found.stdout))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvtier")
+        }
+    )
+    code = (
+        "import sys\n"
+        f"for name in {NOT_IN_VLLM!r}: sys.modules[name] = None\n"
+        "sys.path.insert(0, '/opt/kvtier/plugin')\n"
+        f"for name in {modules!r}: __import__(name)\n"
+        "import kvtier; assert kvtier.__file__.startswith('/opt/kvtier/plugin'), kvtier.__file__\n"
+    )
+    run = podman("run", "--rm", "--entrypoint", "python", image, "-c", code)
+    check(
+        f"plug-in imports ({', '.join(modules)}) need nothing vLLM lacks",
+        run.returncode == 0,
+        run.stderr.strip()[-300:],
+    )
+
+
+def verify_archive(path: Path, version: str, revision: str) -> None:
+    inspected = subprocess.run(
+        ["skopeo", "inspect", "--config", f"oci-archive:{path}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    check("skopeo reads the OCI archive", inspected.returncode == 0, inspected.stderr[-200:])
+    config = json.loads(inspected.stdout)["config"]
+    labels = config.get("Labels") or {}
+    check("user 65532:65532", config.get("User") == "65532:65532", str(config.get("User")))
+    check(
+        "entrypoint kvtier", config.get("Entrypoint") == ["kvtier"], str(config.get("Entrypoint"))
+    )
+    check(
+        "labels: source, version, revision",
+        labels.get("org.opencontainers.image.version") == version
+        and labels.get("org.opencontainers.image.revision") == revision
+        and bool(labels.get("org.opencontainers.image.source")),
+        json.dumps(labels),
+    )
+    print(f"  archive {path}: {path.stat().st_size / 2**20:.0f} MiB")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("image", nargs="?")
+    parser.add_argument("--archive", type=Path)
+    parser.add_argument("--version")
+    parser.add_argument("--revision")
+    args = parser.parse_args()
+    if args.archive:
+        verify_archive(args.archive, args.version, args.revision)
+        return 0
+    verify_running(args.image)
+    size = podman("image", "inspect", "--format", "{{.Size}}", args.image).stdout.strip()
+    print(f"  image {args.image}: {int(size) / 2**20:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
