@@ -17,6 +17,7 @@ reads would evict every chunk clients can use.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -28,7 +29,7 @@ import numpy as np
 
 from kvtier.agent.chunk import ChunkHeader, SlotState, checksum
 from kvtier.agent.config import HostTierConfig
-from kvtier.agent.index import BUSY, EXISTS, FULL, Entry, HostIndex, LeaseError
+from kvtier.agent.index import BUSY, EXISTS, FULL, Entry, HostIndex
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
 from kvtier.agent.pool import PoolGeometry, create_or_reuse, slot_payload_bytes
@@ -283,7 +284,9 @@ class HostTier:
         Returns which keys are now in the pool."""
         held = [False] * len(keys)
         reserved: list[tuple[int, int, int]] = []  # (position in keys, lease, slot)
-        deadline = time.monotonic() + self.lease_seconds
+        # No expiry: `fill` may write into the slots until it returns, however long a tier
+        # takes, so they must not go to another chunk before that; the share cap bounds them.
+        deadline = math.inf
         with self.lock:
             for i, key in enumerate(keys):
                 if self._promoting >= self._max_promoting:
@@ -309,14 +312,10 @@ class HostTier:
             with self.lock:
                 self._promoting -= len(reserved)
                 for (i, lease, _), header in zip(reserved, headers, strict=True):
-                    try:
-                        if header is None:
-                            self.index.abort(lease, PROMOTER)
-                            continue
-                        entries = self.index.commit(lease, PROMOTER)
-                    except LeaseError:
-                        continue  # held past the lease timeout: the slot went back already
-                    for entry in entries:
+                    if header is None:
+                        self.index.abort(lease, PROMOTER)
+                        continue
+                    for entry in self.index.commit(lease, PROMOTER):
                         entry.length = header.length
                         entry.checksum = header.checksum
                         self._write_header(entry.slot, entry.header())
