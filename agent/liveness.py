@@ -74,6 +74,13 @@ class ClientRegistry:
 
     def __init__(self, lock_dir: Path) -> None:
         self.lock_dir = lock_dir
+        # Made by the agent, open to the whole tier group: were the first client to make it,
+        # its umask (vLLM's 022) would close it to every other uid of the group.
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            os.chmod(lock_dir, 0o2770)
+        except PermissionError:
+            log.warning("cannot open %s to the tier's group: it belongs to another uid", lock_dir)
         self._locks: dict[str, Path] = {}
         self._unreadable: set[Path] = set()
 

@@ -30,15 +30,20 @@ NOT_IN_VLLM = ["kopf", "lightkube", "kubernetes", "boto3", "botocore", "grpc", "
 
 CLIENT = """
 import numpy as np
-from kvtier.agent.client import AgentClient
+from kvtier.agent.client import AgentClient, AgentUnavailable
 rows = [np.random.default_rng(i).integers(0, 255, 256 << 10, np.uint8) for i in range(8)]
 keys = [b"image-%026d" % i for i in range(8)]
-with AgentClient("ipc:///var/run/kvtier/run/agent.sock") as client:
-    client.store("image-check", keys, rows)
-    back = [np.zeros(256 << 10, np.uint8) for _ in rows]
-    loaded = client.load_into("image-check", keys, back)
-same = all(loaded) and all(np.array_equal(a, b) for a, b in zip(rows, back))
-print("intact" if same else "differs")
+try:
+    with AgentClient("ipc:///var/run/kvtier/run/agent.sock") as client:
+        client.store("image-check", keys, rows)
+        back = [np.zeros(256 << 10, np.uint8) for _ in rows]
+        loaded = client.load_into("image-check", keys, back)
+except AgentUnavailable as exc:
+    print(exc)
+    print("unavailable")
+else:
+    same = all(loaded) and all(np.array_equal(a, b) for a, b in zip(rows, back))
+    print("intact" if same else "differs")
 """
 
 
@@ -132,29 +137,35 @@ def _serve_and_stop(image: str, mounts: list[str], base: Path, port: int) -> Non
             except OSError:
                 time.sleep(0.5)
         check("agent serves /metrics", "kvtier_" in metrics)
-        # A second container, as a vLLM pod: another uid, with the tier's group.
-        client = podman(
-            "run",
-            "--rm",
-            "--network=none",
-            "--user",
-            "1000710000:1000710000",
-            "--group-add",
-            str(UID),
-            "-v",
-            f"{base / 'vol'}:/var/run/kvtier",
-            "--entrypoint",
-            "python",
-            image,
-            "-c",
-            CLIENT,
-        )
-        check(
-            "a client of another uid with the tier's group stores and loads through the "
-            "socket directory",
-            client.returncode == 0 and client.stdout.strip() == "intact",
-            (client.stdout + client.stderr).strip()[-300:],
-        )
+        # More containers, as vLLM pods: root (vLLM's images) and an OpenShift-style uid, with
+        # the tier's group; then one without it, which gets a miss while the agent serves on.
+        for user, groups, expected in (
+            ("0:0", ["--group-add", str(UID)], "intact"),
+            ("1000710000:1000710000", ["--group-add", str(UID)], "intact"),
+            ("1000710000:1000710000", [], "unavailable"),
+        ):
+            client = podman(
+                "run",
+                "--rm",
+                "--network=none",
+                "--user",
+                user,
+                *groups,
+                "-v",
+                f"{base / 'vol'}:/var/run/kvtier",
+                "--entrypoint",
+                "python",
+                image,
+                "-c",
+                CLIENT,
+            )
+            said = (client.stdout + client.stderr).strip()
+            check(
+                f"a client as {user}{' with' if groups else ' without'} the tier's group: "
+                f"{expected}",
+                client.returncode == 0 and said.splitlines()[-1:] == [expected],
+                said[-300:],
+            )
         podman("stop", "-t", "20", container)
         code = podman("inspect", "--format", "{{.State.ExitCode}}", container).stdout.strip()
         check("agent exits 0 on SIGTERM", code == "0", code)

@@ -1,0 +1,106 @@
+"""Any pod identity works, and only with the tier's group: clients as root (vLLM images), as
+the agent's 65532 and as an OpenShift-style random uid, each with and without the tier's
+group, against a live agent whose directory is laid out as the CSI plugin makes it (root and
+the tier's group, setgid, group-only). A client without the group gets AgentUnavailable
+with the reason, at once; the agent keeps serving everyone else. Clients are forked from the
+test process and drop to their identity, so they need no interpreter of their own (the
+test's virtual environment may sit where other uids cannot read). Needs root."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.agent.client import AgentClient, AgentUnavailable
+from kvtier.agent.config import AgentConfig, scratch_config
+from kvtier.agent.process import AgentProcess
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="switching to other uids and groups needs root (CI runs as root)"
+)
+GROUP = 1 << 30 | 12345  # a tier group, as the operator derives them
+OTHER_GROUP = 1 << 30 | 54321
+ROW = 64 << 10
+
+
+@pytest.fixture
+def tier_agent() -> Iterator[AgentConfig]:
+    base = Path(tempfile.mkdtemp(prefix="kv-id-", dir="/dev/shm"))
+    base.chmod(0o755)
+    volume = base / "vol"
+    for path in (volume, volume / "pool", volume / "run"):
+        path.mkdir()
+        os.chown(path, 0, GROUP)
+        path.chmod(0o2770)
+    config = scratch_config(volume, "identity", 16 * (ROW + 4096) + 4096, ROW)
+    try:
+        with AgentProcess(config):
+            yield config
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _client(endpoint: str, uid: int, groups: list[int], tag: int, out: Connection) -> None:
+    """In a forked child: become `uid` with `groups`, store and load, report what happened."""
+    try:
+        os.setgroups(groups)
+        os.setgid(groups[0] if groups else uid)
+        os.setuid(uid)
+        os.umask(0o022)  # as in a vLLM container: the client must not rely on a kind umask
+        rows = [np.full(ROW, tag + i, np.uint8) for i in range(4)]
+        keys = [b"id-%d-%027d" % (tag, i) for i in range(4)]
+        with AgentClient(endpoint, timeout=5) as client:
+            client.store("identity", keys, rows)
+            back = [np.zeros(ROW, np.uint8) for _ in rows]
+            loaded = client.load_into("identity", keys, back)
+        same = all(loaded) and all(np.array_equal(a, b) for a, b in zip(rows, back, strict=True))
+        out.send(("intact" if same else "differs", ""))
+    except AgentUnavailable as exc:
+        out.send(("unavailable", str(exc)))
+    except BaseException as exc:  # anything else is a failure of the contract
+        out.send(("raised", f"{type(exc).__name__}: {exc}"))
+
+
+def run_as(endpoint: str, uid: int, groups: list[int], tag: int) -> tuple[str, str]:
+    receive, send = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(
+        target=_client, args=(endpoint, uid, groups, tag, send)
+    )
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0, child.exitcode
+    return tuple(receive.recv())  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("uid", [0, 65532, 1000710000], ids=["root", "agent-uid", "random-uid"])
+def test_any_uid_with_the_tiers_group_stores_and_loads(tier_agent: AgentConfig, uid: int) -> None:
+    outcome, detail = run_as(tier_agent.endpoint, uid, [GROUP], tag=uid % 200)
+    assert outcome == "intact", detail
+
+
+@pytest.mark.parametrize("uid", [65532, 1000710000], ids=["agent-uid", "random-uid"])
+def test_without_the_group_a_client_gets_a_clear_miss_and_the_agent_serves_on(
+    tier_agent: AgentConfig, uid: int
+) -> None:
+    outcome, detail = run_as(tier_agent.endpoint, uid, [OTHER_GROUP], tag=1)
+    assert outcome == "unavailable", detail
+    assert "group" in detail  # says what the pod lacks
+    assert run_as(tier_agent.endpoint, 1000710000, [GROUP], tag=2)[0] == "intact"
+
+
+def test_files_the_agent_makes_belong_to_the_tiers_group_only(tier_agent: AgentConfig) -> None:
+    assert run_as(tier_agent.endpoint, 1000710000, [GROUP], tag=3)[0] == "intact"
+    socket = Path(tier_agent.endpoint.removeprefix("ipc://"))
+    for path in (socket, tier_agent.pool_path):
+        info = path.stat()
+        assert info.st_gid == GROUP, path
+        assert info.st_mode & 0o007 == 0, (path, oct(info.st_mode))  # nothing for others
+        assert info.st_mode & 0o060 == 0o060, (path, oct(info.st_mode))  # the group reads/writes
