@@ -1,9 +1,11 @@
-"""A real vLLM engine (CPU build, tiny random Llama) using kvtier through the injected config.
+"""Real vLLM engines (CPU build, tiny random models) using kvtier through the injected
+config, with the canonical layout the webhook injects.
 
-Each engine is its own process, as pods are. The first engine computes and stores; a fresh
-engine reloads the prompts' KV from the agent and produces identical output; after the
-agent's copy is zeroed, a fresh engine's output changes, which proves the reload is what
-the engine uses. Runs under the vLLM environment (`make e2e`).
+An engine computes and stores; a fresh engine reloads the prompts' KV from the agent and
+produces identical output, and an engine whose worker zeroes what it loads produces other
+output, which proves the reload is what the engine computes with. Engines that differ in
+what determines the KV (weights replaced at the same path, a config override, the block
+size) get no hits. Runs under the vLLM environment (`make e2e`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,77 +24,115 @@ import pytest
 from e2e.vllm_engine.tiny_model import build
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.pool import PoolMap
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.transfer_config import build_kv_transfer_config
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [" ".join(f"w{(i * 7 + j * 13) % 400}" for i in range(330)) for j in range(2)]
 BLOCKS_PER_PROMPT = 330 // 32
+HITS = "vllm:external_prefix_cache_hits"
+CPU_SPEC = ("e2e.vllm_engine.cpu_spec", "CPUTestTieringSpec")
 
 
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return build(REPO / ".scratch" / "tiny-llama")
+@dataclass(frozen=True)
+class Engines:
+    results: list[dict[str, Any]]
+    log: str  # everything the engines wrote: vLLM's log lines, the plug-in's among them
 
 
-def run_engine(model: Path, kv_config: dict[str, Any], passes: int = 1) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(REPO)}
+def run_engines(runs: list[dict[str, Any]], timeout: float = 900) -> Engines:
+    """The runs, one engine after another in one process (see run_engine.py)."""
+    path = [p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p]
+    env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(path)}
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "e2e.vllm_engine.run_engine",
-            "--model",
-            str(model),
-            "--kv-transfer-config",
-            json.dumps(kv_config),
-            "--prompts",
-            json.dumps(PROMPTS),
-            "--passes",
-            str(passes),
-        ],
+        [sys.executable, "-m", "e2e.vllm_engine.run_engine", "--runs", json.dumps(runs)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
         env=env,
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return dict(json.loads(line.removeprefix("RESULT ")))
+    results = [
+        json.loads(ln.removeprefix("RESULT "))
+        for ln in proc.stdout.splitlines()
+        if ln.startswith("RESULT ")
+    ]
+    assert len(results) == len(runs)
+    return Engines(results, proc.stdout + proc.stderr)
 
 
-@pytest.mark.timeout(1200)  # three engine start-ups of ~30 s each, more on a loaded machine
-def test_engines_reload_kv_from_the_agent(
-    model: Path,
+def kv_config(agent: AgentConfig, **extra: Any) -> dict[str, Any]:
+    """What the webhook injects (canonical layout), with the CPU test worker."""
+    config = build_kv_transfer_config(agent, cpu_bytes_to_use=4 << 20, spec=CPU_SPEC)
+    config["kv_connector_extra_config"].update(extra)
+    return config
+
+
+@pytest.fixture
+def agent(
     make_config: Callable[..., AgentConfig],
     agent_factory: Callable[[AgentConfig], AgentProcess],
-) -> None:
-    config = make_config(capacity="32Mi", chunkBytes="64Ki")
+) -> AgentConfig:
+    config = make_config(capacity="48Mi", chunkBytes="64Ki")
     agent_factory(config)
-    kv_config = build_kv_transfer_config(
-        config,
-        cpu_bytes_to_use=4 << 20,
-        canonical_layout=False,
-        spec=("e2e.vllm_engine.cpu_spec", "CPUTestTieringSpec"),
-    )
+    return config
 
-    first = run_engine(model, kv_config, passes=2)
+
+@pytest.mark.timeout(1200)  # engine start-ups of ~30 s each, more on a loaded machine
+def test_engines_reload_kv_from_the_agent(agent: AgentConfig) -> None:
+    kv = kv_config(agent)
+    assert kv["kv_connector_extra_config"]["canonical_layout"] is True
+    model = str(build(REPO / ".scratch" / "tiny-llama"))
+    run = {"model": model, "kv_transfer_config": kv, "prompts": PROMPTS}
+    zeroing = {**run, "kv_transfer_config": kv_config(agent, kvtier_test_zero_loads=True)}
+    engines = run_engines([{**run, "passes": 2}, run, zeroing])
+    first, fresh, zeroed = engines.results
+
     assert first["passes"][0] == first["passes"][1]  # prefix cache reset, same output
-    with AgentClient(config.endpoint) as client:
+    with AgentClient(agent.endpoint) as client:
         stats = client.stats()
     assert stats["chunks"] >= 2 * BLOCKS_PER_PROMPT
     assert len(stats["namespaces"]) == 1
+    (namespace,) = stats["namespaces"]
+    assert f"kvtier namespace {namespace}" in engines.log  # the plug-in's line, in vLLM's log
 
-    fresh = run_engine(model, kv_config)
+    assert fresh["metrics"][HITS] >= 2 * BLOCKS_PER_PROMPT * 32
     assert fresh["passes"][0] == first["passes"][0]
-    assert fresh["metrics"]["vllm:external_prefix_cache_hits"] >= 2 * BLOCKS_PER_PROMPT * 32
-
-    pool = PoolMap.open(config.pool_path, populate=False)
-    for slot in range(pool.geometry.slot_count):
-        pool.payload(slot)[:] = 0
-    pool.close()
-    zeroed = run_engine(model, kv_config)
-    assert zeroed["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    assert zeroed["metrics"][HITS] >= 2 * BLOCKS_PER_PROMPT * 32
     assert zeroed["passes"][0] != first["passes"][0]
+
+
+@pytest.mark.timeout(1200)
+def test_other_weights_or_config_at_the_same_path_get_no_hits(
+    agent: AgentConfig, scratch: Path
+) -> None:
+    """The model path stays; what it holds or how vLLM is told to read it changes."""
+    path = build(scratch / "model", seed=0)
+    run = {"model": str(path), "kv_transfer_config": kv_config(agent), "prompts": PROMPTS}
+    (original,) = run_engines([run]).results
+    build(path, seed=1, overwrite=True)  # other weights, same names, shapes and sizes
+    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}
+    replaced, overridden = run_engines([run, {**run, "hf_overrides": rope}]).results
+
+    assert replaced["passes"][0] != original["passes"][0]  # really another model
+    assert replaced["metrics"][HITS] == 0
+    assert overridden["metrics"][HITS] == 0
+    with AgentClient(agent.endpoint) as client:
+        assert len(client.stats()["namespaces"]) == 3
+
+
+@pytest.mark.timeout(1200)
+def test_block_size_change_never_loads_wrong_kv(agent: AgentConfig) -> None:
+    """vLLM hashes a single-group model's blocks at its block size, so chunks written with
+    32-token blocks have other keys than those an engine with 64-token blocks looks up,
+    and the canonical page of a 64-token block is not two 32-token pages in every KV
+    layout: the fingerprint keeps block geometry apart, and the engine recomputes."""
+    model = str(build(REPO / ".scratch" / "tiny-llama"))
+    run = {"model": model, "kv_transfer_config": kv_config(agent), "prompts": PROMPTS}
+    small, large, large_again = run_engines(
+        [{**run, "block_size": 32}, {**run, "block_size": 64}, {**run, "block_size": 64}]
+    ).results
+    assert large["metrics"][HITS] == 0
+    assert large_again["metrics"][HITS] >= 2 * (330 // 64) * 64  # 64-token blocks do share
+    assert large_again["passes"][0] == large["passes"][0] == small["passes"][0]

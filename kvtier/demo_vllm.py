@@ -54,12 +54,8 @@ def _engine(python: Path, repo: Path, model: Path, kv: dict[str, Any], name: str
             str(python),
             "-m",
             "e2e.vllm_engine.run_engine",
-            "--model",
-            str(model),
-            "--kv-transfer-config",
-            json.dumps(kv),
-            "--prompts",
-            json.dumps(prompts),
+            "--runs",
+            json.dumps([{"model": str(model), "kv_transfer_config": kv, "prompts": prompts}]),
         ],
         capture_output=True,
         text=True,
@@ -95,10 +91,7 @@ def run_engines(vllm_python: Path, console: Console) -> dict[str, Any]:
     try:
         agent = scratch_config(scratch, "demo-vllm", "64Mi", "64Ki")
         kv = build_kv_transfer_config(
-            agent,
-            cpu_bytes_to_use=4 << 20,
-            canonical_layout=False,
-            spec=("e2e.vllm_engine.cpu_spec", "CPUTestTieringSpec"),
+            agent, cpu_bytes_to_use=4 << 20, spec=("e2e.vllm_engine.cpu_spec", "CPUTestTieringSpec")
         )
         with AgentProcess(agent):
             runs = []

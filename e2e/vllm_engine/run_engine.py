@@ -1,51 +1,70 @@
-"""One vLLM engine process: serve prompts offline with a given --kv-transfer-config, some
-passes with vLLM's prefix cache reset in between, and print outputs and cache metrics as
-JSON. Runs under the vLLM environment's Python."""
+"""vLLM engines, one after another in one process: each serves prompts offline with its
+own settings and --kv-transfer-config, some passes with vLLM's prefix cache reset in
+between, and prints its outputs and cache metrics as one JSON line. Each engine is shut
+down (its engine-core process ends) before the next starts, so the next has nothing but
+what kvtier holds; one process pays vLLM's import once for all of them. Runs under the
+vLLM environment's Python.
+
+`--runs` is a JSON list of objects: model, kv_transfer_config, prompts (texts, or lists of
+token ids, which need no tokenizer), and optionally dtype, block_size, hf_overrides, passes,
+max_tokens.
+"""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+from typing import Any
+
+
+def serve(run: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=run["model"],
+        block_size=run.get("block_size", 32),
+        max_model_len=2048,
+        dtype=run.get("dtype", "float32"),
+        enforce_eager=True,
+        disable_log_stats=False,
+        hf_overrides=run.get("hf_overrides"),
+        kv_transfer_config=KVTransferConfig(**run["kv_transfer_config"]),
+    )
+    params = SamplingParams(max_tokens=run.get("max_tokens", 16), temperature=0.0)
+    prompts: list[Any] = [
+        p if isinstance(p, str) else TokensPrompt(prompt_token_ids=p) for p in run["prompts"]
+    ]
+    passes = []
+    try:
+        for n in range(run.get("passes", 1)):
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            passes.append([list(o.outputs[0].token_ids) for o in outputs])
+            if n + 1 < run.get("passes", 1):
+                llm.reset_prefix_cache()
+        metrics = {
+            m.name: m.value
+            for m in llm.get_metrics()
+            if "prefix_cache" in m.name and hasattr(m, "value")
+        }
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return {"passes": passes, "metrics": metrics}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--kv-transfer-config", required=True)
-    parser.add_argument("--prompts", required=True, help="JSON list of prompts")
-    parser.add_argument("--passes", type=int, default=1)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--runs", required=True, help="JSON list of engine runs")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-
-    llm = LLM(
-        model=args.model,
-        block_size=32,
-        max_model_len=2048,
-        dtype="float32",
-        enforce_eager=True,
-        disable_log_stats=False,
-        kv_transfer_config=KVTransferConfig(**json.loads(args.kv_transfer_config)),
-    )
-    prompts = json.loads(args.prompts)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    passes = []
-    for n in range(args.passes):
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        passes.append([list(o.outputs[0].token_ids) for o in outputs])
-        if n + 1 < args.passes:
-            llm.reset_prefix_cache()
-    metrics = {
-        m.name: m.value
-        for m in llm.get_metrics()
-        if "prefix_cache" in m.name and hasattr(m, "value")
-    }
-    print("RESULT " + json.dumps({"passes": passes, "metrics": metrics}), flush=True)
+    for run in json.loads(args.runs):
+        print("RESULT " + json.dumps(serve(run)), flush=True)
 
 
 if __name__ == "__main__":
