@@ -1,0 +1,64 @@
+"""The client library under arbitrary arguments: buffers of any dtype, shape, size and
+layout, keys and namespaces of any length. Every call either does what it says (rows come
+back exact) or raises ValueError or AgentRefused before anything changes, and never leaves a
+lease behind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.agent.client import AgentClient, AgentRefused
+from kvtier.agent.process import AgentProcess
+from tests.conftest import ROW
+
+DTYPES = [np.uint8, np.int16, np.float32, np.float64]
+
+
+@st.composite
+def buffers(draw: st.DrawFn) -> np.ndarray:
+    dtype = np.dtype(draw(st.sampled_from(DTYPES)))
+    count = draw(st.integers(0, (2 * ROW) // dtype.itemsize))
+    array = np.arange(count, dtype=dtype)
+    if draw(st.booleans()) and count >= 2:
+        array = array[::2]  # not contiguous
+    return array
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.lists(buffers(), min_size=0, max_size=3),
+    keys=st.lists(st.binary(min_size=0, max_size=1100), min_size=0, max_size=3),
+    namespace=st.text(min_size=0, max_size=130),
+)
+def test_store_and_load_with_arbitrary_arguments(
+    agent: AgentProcess, rows: list[np.ndarray], keys: list[bytes], namespace: str
+) -> None:
+    with AgentClient(agent.config.endpoint) as client:
+        try:
+            result = client.store(namespace, keys, rows)
+        except (ValueError, AgentRefused):
+            assert client.stats()["leases"] == 0
+            return
+        assert result.stored + result.skipped == len(keys)
+        outs = [np.empty_like(r) for r in rows]
+        try:
+            loaded = client.load_into(namespace, keys, outs)
+        except (ValueError, AgentRefused):
+            assert client.stats()["leases"] == 0
+            return
+        for row, out, ok in zip(rows, outs, loaded, strict=True):
+            assert not ok or np.array_equal(row, out)
+        assert client.stats()["leases"] == 0
+
+
+def test_store_refuses_rows_of_unequal_size_before_asking(agent: AgentProcess) -> None:
+    with AgentClient(agent.config.endpoint) as client:
+        rows = [np.zeros(ROW, np.uint8), np.zeros(ROW // 2, np.uint8)]
+        with pytest.raises(ValueError, match="equal size"):
+            client.store("ns", [b"a", b"b"], rows)
+        assert client.stats()["leases"] == 0
