@@ -130,9 +130,19 @@ def test_block_size_change_never_loads_wrong_kv(agent: AgentConfig) -> None:
     layout: the fingerprint keeps block geometry apart, and the engine recomputes."""
     model = str(build(REPO / ".scratch" / "tiny-llama"))
     run = {"model": model, "kv_transfer_config": kv_config(agent), "prompts": PROMPTS}
-    small, large, large_again = run_engines(
-        [{**run, "block_size": 32}, {**run, "block_size": 64}, {**run, "block_size": 64}]
+    two_blocks = {**run, "kv_transfer_config": kv_config(agent, blocks_per_chunk=2)}
+    small, large, large_again, chunked, chunked_again = run_engines(
+        [
+            {**run, "block_size": 32},
+            {**run, "block_size": 64},
+            {**run, "block_size": 64},
+            two_blocks,  # 32-token blocks, 64-token chunks
+            two_blocks,
+        ]
     ).results
     assert large["metrics"][HITS] == 0
     assert large_again["metrics"][HITS] >= 2 * (330 // 64) * 64  # 64-token blocks do share
-    assert large_again["passes"][0] == large["passes"][0] == small["passes"][0]
+    assert chunked["metrics"][HITS] == 0  # other chunk geometry than the first engine's
+    assert chunked_again["metrics"][HITS] >= 2 * (330 // 64) * 64
+    outputs = [e["passes"][0] for e in (small, large, large_again, chunked, chunked_again)]
+    assert all(o == small["passes"][0] for o in outputs)
