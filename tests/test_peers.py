@@ -319,9 +319,10 @@ def test_nodes_with_their_own_addresses_share_through_the_directory(
 ) -> None:
     """Three agents, each in its own network namespace with its own address on a bridge
     (three "machines"), authenticated with the cluster key: chunks stored on one node are
-    found through their home and loaded on another across real interfaces. UCX declines
-    its TCP transport between namespaces of one host, so NIXL cannot connect here and the
-    chunks come over ZMQ: the fallback, exercised."""
+    found through their home and loaded on another across real interfaces. Whether UCX
+    takes its TCP transport between namespaces of one host depends on the host's network
+    setup: the chunks come over NIXL where it connects and over ZMQ where it does not, and
+    every one of them arrives through a peer."""
     keys = scratch / "curve"
     write_keys(keys)
     with netns.nodes(3) as machines, contextlib.ExitStack() as stack:
@@ -346,7 +347,7 @@ def test_nodes_with_their_own_addresses_share_through_the_directory(
             wait_for(lambda: consumer.lookup(NS, [key(i) for i in ids]).prefix == len(ids))
             assert load_exact(consumer, ids) == [True] * len(ids)
             stats = peer_stats(consumer)
-            assert stats.get("nixl_reads", 0) + stats["zmq_reads"] == len(ids)
+            assert stats.get("nixl_reads", 0) + stats.get("zmq_reads", 0) == len(ids)
             assert stats.get("read_errors", 0) == 0
             assert sorted(consumer.stats()["peers"]) == endpoints[:2]
 
