@@ -59,3 +59,21 @@ def test_weights_from_the_hugging_face_cache_carry_the_commit(tmp_path: Path) ->
     identity = fingerprint.weights_identity("org/tiny", None, str(tmp_path / "hub"))
     assert identity is not None and identity["commit"] == commit
     assert fingerprint.weights_identity("org/absent", None, str(tmp_path / "hub")) is None
+
+
+def test_tier_status_says_what_differs_between_engines_of_one_model() -> None:
+    """What `kubectl kvtier explain-miss` shows as the FingerprintConflict message."""
+    import datetime as dt
+
+    from kvtier.operator.status import aggregate
+
+    now = dt.datetime(2026, 11, 30, tzinfo=dt.UTC)
+    namespaces = [make().namespace, make(weights="fine-tuned").namespace]
+    nodes = [
+        {"status": {"heartbeat": "2026-11-30T00:00:00Z", "fingerprints": [ns]}}
+        for ns in namespaces
+    ]
+    conditions = {c["type"]: c for c in aggregate(nodes, 2, now, 60)["conditions"]}
+    conflict = conditions["FingerprintConflict"]
+    assert conflict["status"] == "True"
+    assert "org_Llama-3.1-8B-Instruct: same model name, different weights" in conflict["message"]
