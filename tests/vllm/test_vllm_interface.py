@@ -153,6 +153,28 @@ def test_names_imported_from_vllm_exist_there(source: Path) -> None:
         )
 
 
+@pytest.mark.parametrize("source", [PLUGIN, FINGERPRINT], ids=lambda p: p.name)
+def test_attributes_of_imported_vllm_modules_exist_there(source: Path) -> None:
+    """`from vllm import config as m` ... `m.VllmConfig`: the attribute is checked too
+    (a getattr with a default is the plug-in's guard for names older versions lack)."""
+    tree = parse(source)
+    aliases = {
+        alias.asname or alias.name: f"{node.module}.{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm")
+        for alias in node.names
+        if (INTERFACE / str(node.module).replace(".", "/") / alias.name).is_dir()
+        or (INTERFACE / str(node.module).replace(".", "/") / f"{alias.name}.py").exists()
+    }
+    used = [
+        (aliases[n.value.id], n.attr)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases
+    ]
+    for module, name in used:
+        assert name in top_level_names(vllm_source(module)), f"vLLM 0.33 has no {module}.{name}"
+
+
 def dataclass_fields(module: str, cls: str) -> list[str]:
     body = class_def(vllm_source(module), cls).body
     return [
