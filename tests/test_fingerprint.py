@@ -70,8 +70,7 @@ def test_tier_status_says_what_differs_between_engines_of_one_model() -> None:
     now = dt.datetime(2026, 11, 30, tzinfo=dt.UTC)
     namespaces = [make().namespace, make(weights="fine-tuned").namespace]
     nodes = [
-        {"status": {"heartbeat": "2026-11-30T00:00:00Z", "fingerprints": [ns]}}
-        for ns in namespaces
+        {"status": {"heartbeat": "2026-11-30T00:00:00Z", "fingerprints": [ns]}} for ns in namespaces
     ]
     conditions = {c["type"]: c for c in aggregate(nodes, 2, now, 60)["conditions"]}
     conflict = conditions["FingerprintConflict"]
