@@ -51,6 +51,9 @@ class KubeEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
     updates: list[tuple[str, str]]  # (plural, name) of every update, for write counting
 
     async def _handle(self, request: Any) -> Any:
+        # kmock keeps every request and matches each new one by scanning them all: a long
+        # test would slow down quadratically. Only requests still being dispatched matter.
+        del self._requests[:-32]
         if request.resource is not None and request.action == kmock.action.UPDATE:
             self.updates.append((request.resource.plural, request.name))
         if request.resource is not None and request.action in {
