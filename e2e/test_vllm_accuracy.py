@@ -67,6 +67,8 @@ def test_reload_gives_the_tokens_of_recompute(
     results = run_engines(runs, timeout=2400).results
 
     for case, recompute, reload in zip(cases, results[::2], results[1::2], strict=True):
+        tokens = sum(map(len, recompute["passes"][0]))
+        print(f"{case}: {reload['metrics'][HITS]:.0f} prompt tokens reloaded, {tokens} compared")
         assert reload["metrics"][HITS] > 0, case  # the reload really loaded
         assert reload["passes"][0] == recompute["passes"][0], case
         assert all(len(tokens) == MAX_TOKENS for tokens in recompute["passes"][0]), case

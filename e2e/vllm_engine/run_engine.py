@@ -1,9 +1,10 @@
 """vLLM engines, one after another in one process: each serves prompts offline with its
 own settings and --kv-transfer-config, some passes with vLLM's prefix cache reset in
 between, and prints its outputs and cache metrics as one JSON line. Each engine is shut
-down (its engine-core process ends) before the next starts, so the next has nothing but
-what kvtier holds; one process pays vLLM's import once for all of them. Runs under the
-vLLM environment's Python.
+down before the next starts, so the next has nothing but what kvtier holds. The engine core
+runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a core process of its own would
+import vLLM afresh for every engine, about three quarters of an engine's start-up here. Runs under
+the vLLM environment's Python.
 
 `--runs` is a JSON list of objects: model, kv_transfer_config, prompts (texts, or lists of
 token ids, which need no tokenizer), and optionally dtype, block_size, hf_overrides, passes,
@@ -63,6 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     for run in json.loads(args.runs):
         print("RESULT " + json.dumps(serve(run)), flush=True)
 
