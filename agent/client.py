@@ -237,7 +237,9 @@ class AgentClient:
     def store(self, namespace: str, keys: Sequence[bytes], rows: Sequence[Any]) -> StoreResult:
         """Store rows (buffers of equal size) under keys: allocate, copy, commit.
 
-        Keys the agent already holds are skipped without copying.
+        Keys the agent already holds are skipped without copying. Each slot's generation is
+        checked before it is written: a lease that expired meanwhile raises LeaseLost
+        instead of writing into a slot that may hold another chunk by then.
         """
         views = [_as_bytes(r) for r in rows]
         if len(views) != len(keys):
@@ -251,8 +253,10 @@ class AgentClient:
         if grant.lease == 0:
             return StoreResult(0, len(keys))
         try:
-            for view, slot in zip(views, grant.slots, strict=True):
+            for i, (view, slot) in enumerate(zip(views, grant.slots, strict=True)):
                 if slot >= 0:
+                    if not self.still_granted(grant, i):
+                        raise LeaseLost(f"lease {grant.lease} expired before its copy")
                     np.copyto(self.slot(slot, nbytes), view)
         except BaseException:
             self.abort(grant.lease)

@@ -58,7 +58,10 @@ class HostTier:
         geometry = PoolGeometry(slot_payload_bytes(config.chunk_bytes), config.slot_count)
         self.pool, reused = create_or_reuse(pool_path, geometry, populate=config.prefault)
         self.index = HostIndex(
-            geometry.slot_count, make_policy(config.policy, geometry.slot_count), boot
+            geometry.slot_count,
+            make_policy(config.policy, geometry.slot_count),
+            boot,
+            rest_seconds=lease_seconds,
         )
         self.lock = threading.Lock()
         self._promoting = 0  # slots reserved by promotions in flight (lock held)
@@ -196,6 +199,7 @@ class HostTier:
                 "slot_bytes": self.geometry.payload_bytes,
                 "slots": self.geometry.slot_count,
                 "free_slots": self.index.free_slots,
+                "resting_slots": self.index.resting_slots,
                 "chunks": self.index.chunks,
                 "leases": self.index.leases,
                 "pinned_slots": self.index.pinned_slots(),
@@ -327,6 +331,10 @@ class HostTier:
         started = time.monotonic()
         for slot in range(self.geometry.slot_count):
             header = ChunkHeader.unpack(self.pool.header(slot).data)
+            if header is not None and header.state == SlotState.WRITING:
+                # A writer of the earlier agent process may still be copying into it.
+                self.index.rest(slot, started + self.lease_seconds)
+                continue
             if header is None or header.state != SlotState.SEALED:
                 continue
             payload = self.pool.payload(slot).data

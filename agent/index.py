@@ -7,6 +7,10 @@ lock; nothing here blocks. A refused call raises before it changes anything.
 
 Lease ids and slot generations carry the agent's boot id in their upper 32 bits, so no id
 or generation handed out by an earlier agent process can match one of this process's.
+
+The slot of a store lease that expired rests for `rest_seconds` before it is used again (and
+so do slots an earlier agent process had handed to writers, see `rest`): its writer may
+still be copying into it, and would otherwise alter the chunk the slot holds next.
 """
 
 from __future__ import annotations
@@ -78,9 +82,13 @@ class IndexCounters:
 
 
 class HostIndex:
-    def __init__(self, slot_count: int, policy: EvictionPolicy, boot: int = 0) -> None:
+    def __init__(
+        self, slot_count: int, policy: EvictionPolicy, boot: int = 0, rest_seconds: float = 0.0
+    ) -> None:
         self.slot_count = slot_count
         self.policy = policy
+        self.rest_seconds = rest_seconds
+        self._resting: list[tuple[float, int]] = []  # (until, slot)
         self._by_ns: dict[str, dict[bytes, Entry]] = {}
         # The READY subset of _by_ns, so a lookup is one membership test per key.
         self._ready: dict[str, dict[bytes, Entry]] = {}
@@ -144,6 +152,10 @@ class HostIndex:
     @property
     def free_slots(self) -> int:
         return len(self._free)
+
+    @property
+    def resting_slots(self) -> int:
+        return len(self._resting)
 
     @property
     def leases(self) -> int:
@@ -272,12 +284,22 @@ class HostIndex:
         self._forget(entry)
         self._free.append(entry.slot)
 
+    def rest(self, slot: int, until: float) -> None:
+        """Keep a free slot out of use until `until`: a writer may still copy into it."""
+        self._free.remove(slot)
+        self._resting.append((until, slot))
+
     def expire(self, now: float) -> list[Lease]:
+        """Release leases past their deadline (store slots go to rest) and return rested
+        slots to use."""
         expired = [lease for lease in self._leases.values() if lease.deadline <= now]
         for lease in expired:
             del self._leases[lease.id]
-            self._release(lease)
+            self._release(lease, rest_until=now + self.rest_seconds)
         self.counters.leases_expired += len(expired)
+        if self._resting:
+            self._free += [slot for until, slot in self._resting if until <= now]
+            self._resting = [(until, slot) for until, slot in self._resting if until > now]
         return expired
 
     def release_client(self, client: str) -> list[Lease]:
@@ -315,13 +337,17 @@ class HostIndex:
         self._leases[lease.id] = lease
         return lease.id
 
-    def _release(self, lease: Lease) -> None:
+    def _release(self, lease: Lease, rest_until: float | None = None) -> None:
+        """End a lease. An unfinished write is worthless: its slot goes back, to rest until
+        `rest_until` when its writer may still be copying (the lease expired)."""
         for entry in lease.entries:
             entry.pins -= 1
             if lease.kind == "store":
-                # An unfinished write is worthless: its slot goes straight back.
                 self._by_ns[entry.id[0]].pop(entry.id[1], None)
-                self._free.append(entry.slot)
+                if rest_until is None:
+                    self._free.append(entry.slot)
+                else:
+                    self._resting.append((rest_until, entry.slot))
 
     def _evictable(self, chunk: ChunkId) -> bool:
         ns, key = cast(ChunkKey, chunk)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
+from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable, LeaseLost
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.process import AgentProcess
 from tests.conftest import ROW
@@ -181,6 +181,27 @@ def test_reader_whose_lease_expired_gets_no_other_chunks_bytes(
         out = np.zeros(ROW, np.uint8)
         loaded = reader.load_into(NS, [key(0)], [out])
         assert loaded == [False] or np.array_equal(out, row(0, ROW)), "another chunk's bytes"
+
+
+def test_writer_whose_lease_expired_cannot_alter_the_next_chunk_of_its_slot(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent
+) -> None:
+    config = make_config({"leaseTimeoutSeconds": 0.3})
+    agent_factory(config)
+    with AgentClient(config.endpoint) as slow, AgentClient(config.endpoint) as other:
+        grant = slow.allocate(NS, [key(0)], ROW)
+        time.sleep(0.6)  # the lease expires while the writer is descheduled
+        n = other.stats()["slots"]
+        other.store(NS, [key(i) for i in range(1, n + 1)], [row(i, ROW) for i in range(1, n + 1)])
+        wait_settled(other)
+        np.copyto(slow.slot(grant.slots[0], ROW), row(0, ROW))  # the late copy lands
+        ids = list(range(1, n + 1))
+        outs = [np.zeros(ROW, np.uint8) for _ in ids]
+        loaded = other.load_into(NS, [key(i) for i in ids], outs)
+        for i, ok, out in zip(ids, loaded, outs, strict=True):
+            assert not ok or np.array_equal(out, row(i, ROW)), f"chunk {i} was altered"
+        with pytest.raises(LeaseLost):
+            slow.commit(grant.lease)
 
 
 def _hold_after_restart(endpoint: str, restarted: Any, ready: Any) -> None:

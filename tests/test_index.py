@@ -158,3 +158,15 @@ def test_every_allocation_gets_a_new_generation(index: HostIndex) -> None:
         index.commit(lease, "c")
         seen.add(generations[0])
     assert len(seen) == 12
+
+
+def test_slot_of_an_expired_store_rests_before_reuse() -> None:
+    index = HostIndex(2, make_policy("lru", 2), rest_seconds=10.0)
+    _, resting, _ = index.allocate("slow", "ns", [b"a"], 10, deadline=5.0)
+    assert len(index.expire(now=6.0)) == 1
+    assert index.resting_slots == 1 and index.free_slots == 1
+    for key in (b"b", b"c", b"d"):  # each evicts the one before rather than use the rest
+        assert store(index, key) != resting
+    index.expire(now=16.0)
+    assert index.resting_slots == 0
+    assert store(index, b"e") == resting
