@@ -8,8 +8,9 @@ components (what keeps engines apart) followed by a short tag per component (wha
 
     <model>-<digest of everything, 128 bits>.<tag><4 hex>...   e.g.  llama-3-8b-3f…a1.m1a2bw77c0…
 
-The plug-in computes it inside vLLM's scheduler process, so this module imports only the
-standard library; vLLM objects are read by attribute.
+The plug-in computes it inside vLLM's scheduler process: at module level this imports only
+the standard library (the operator parses namespaces with it); vLLM is imported by the
+functions that read its state, and vLLM's objects are read by attribute.
 """
 
 from __future__ import annotations
