@@ -80,6 +80,9 @@ def _store(timed: _Timed, rng: random.Random, counts: dict[str, int]) -> None:
     first = rng.randrange(KEYS)
     ids = [(first + 7 * j) % KEYS for j in range(rng.randint(1, 3))]  # one size per store
     grant: Grant = timed(client.allocate, NS, [key(i) for i in ids], size(first))
+    if grant.lease and rng.random() < 0.02:
+        time.sleep(LEASE_SECONDS + 0.5)  # a descheduled writer: it copies after its lease
+        counts["late_writers"] += 1
     for j, i in enumerate(ids):
         if grant.slots[j] >= 0:
             np.copyto(client.slot(grant.slots[j], size(i)), chunk(i))
@@ -127,6 +130,7 @@ def client_loop(endpoint: str, worker: int, until: float, results: Any) -> None:
             "wrong_bytes",
             "wrong_chunks",
             "stale_copies_refused",
+            "late_writers",
         ],
         0,
     )
