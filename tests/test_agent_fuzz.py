@@ -9,6 +9,7 @@ import random
 import threading
 from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -45,11 +46,14 @@ class RawSession:
         return request_id
 
     def ask(self, body: bytes) -> p.Reply:
+        return p.reply_decoder.decode(self.ask_raw(body))
+
+    def ask_raw(self, body: bytes) -> bytes:
         request_id = self.send(body)
         while self.sock.poll(5000):
             got, answer = self.sock.recv_multipart()
             if got == request_id:
-                return p.reply_decoder.decode(answer)
+                return answer
         raise TimeoutError("the agent did not answer")
 
     def barrier(self) -> None:
@@ -115,9 +119,23 @@ def test_every_refused_request_leaves_the_agent_as_it_was(
         assert victim.lookup(NS, [key(100)]).hits == [True]
 
 
-def test_previous_protocol_is_refused_naming_both_versions(session: RawSession) -> None:
-    reply = session.ask(p.encode(p.Hello("old-client", session.lock.path.name, protocol=1)))
-    assert isinstance(reply, p.ErrorReply)
+class _HelloV1(msgspec.Struct, tag="hello"):
+    """The previous release's hello, as its plug-ins send it."""
+
+    client: str
+    lock: str
+    protocol: int = 1
+
+
+class _ErrorReplyV1(msgspec.Struct, tag="error"):
+    """The previous release's error reply, as its plug-ins decode it."""
+
+    message: str
+
+
+def test_previous_release_client_is_refused_naming_both_versions(session: RawSession) -> None:
+    answer = session.ask_raw(msgspec.msgpack.encode(_HelloV1("old", session.lock.path.name)))
+    reply = msgspec.msgpack.Decoder(_ErrorReplyV1).decode(answer)
     assert f"protocol 1, agent {p.PROTOCOL_VERSION}" in reply.message
 
 
