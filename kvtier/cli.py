@@ -138,6 +138,12 @@ def _bench(args: argparse.Namespace) -> int:
     return run_benchmark(args.target, quick=args.quick, as_json=args.json, out=args.out)
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from kvtier.replay import main as replay_main
+
+    return replay_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtier",
@@ -285,6 +291,41 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=None, help="write JSON here (default .scratch/bench/)"
     )
     bench.set_defaults(func=_bench)
+
+    replay = sub.add_parser(
+        "replay",
+        help="replay a request trace through the host tier's index at several capacities",
+        description="Replay a Mooncake-format JSONL trace (timestamp, input_length, hash_ids; "
+        "gzip accepted) through the agent's own index and eviction policies, and report per "
+        "capacity and policy the hit rate as vLLM sees it (hit prompt tokens up to a "
+        "request's first miss / prompt tokens, over the last half of the requests, as "
+        "kvcache-simulator counts it), the block hit rate beside it, and the offline optimal.",
+    )
+    replay.add_argument("trace", type=Path, help="trace file (.jsonl or .jsonl.gz)")
+    replay.add_argument(
+        "--capacity", default=None, help="comma-separated pool sizes, e.g. 8Gi,32Gi,128Gi"
+    )
+    replay.add_argument(
+        "--block-bytes", default=None, help="bytes of one block's KV (64Mi: Llama-3.1-8B bf16)"
+    )
+    replay.add_argument(
+        "--bytes-per-token",
+        default=None,
+        help="a model's KV bytes per token (128Ki: Llama-3.1-8B bf16), times the block size",
+    )
+    replay.add_argument("--blocks", default=None, help="comma-separated capacities in blocks")
+    replay.add_argument(
+        "--policy", default="lru,arc,optimal", help="comma-separated: lru, arc, optimal"
+    )
+    replay.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per hash id for records without block_size (default 512)",
+    )
+    replay.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    replay.add_argument("--json", action="store_true", help="print the report as JSON")
+    replay.set_defaults(func=_replay)
     return parser
 
 

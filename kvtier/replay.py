@@ -1,0 +1,448 @@
+"""`kvtier replay`: a request trace through the host tier's real index and eviction policies.
+
+A Mooncake-format trace (JSONL, optionally gzip: `timestamp`, `input_length`, `hash_ids`, an
+optional `block_size`) names each request's prompt as prefix blocks. Equal `hash_ids` at equal
+positions after an equal prefix are the same block; like vLLM's chained block hashes, a block's
+key here is its whole prefix, so a block id that recurs after a different prefix is another
+chunk.
+
+Every request goes through `HostIndex` as the agent drives it for the vLLM plug-in: one
+lookup of all its keys, a load lease on the hit prefix (the chunks being read are pinned), the
+hits reported to the policy, then a store of the blocks after the prefix (a store lease,
+committed). Capacity is the pool's slot count. The policies are the agent's own, plus
+`optimal`: Belady's rule on the next request that uses a chunk, with bypass (a block whose
+next use is no sooner than every resident chunk's is not admitted), as an upper bound.
+
+Accounting follows kvcache-simulator so the figures compare: hits count only up to a
+request's first missing block (what vLLM can use), weighted by the block's prompt tokens
+(512, the last block what remains of `input_length`), over the last half of the requests; a
+capacity the trace does not fill before that window is reported as underfilled. The block hit
+rate beside it counts every resident block of a request, wherever the prefix broke.
+"""
+
+from __future__ import annotations
+
+import gzip
+import heapq
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from kvtier.agent.index import HostIndex
+from kvtier.agent.policy import POLICIES, ChunkId, EvictionPolicy, make_policy
+from kvtier.agent.units import format_bytes, parse_bytes
+
+NAMESPACE = "replay"
+CLIENT = "replay"
+OPTIMAL = "optimal"
+DEFAULT_BLOCK_SIZE = 512  # tokens per hash id in the Mooncake release
+_FOREVER = 1e18  # lease deadline: a replay never expires leases
+
+
+class TraceError(ValueError):
+    """A trace that cannot be replayed (no usable records, inconsistent block size)."""
+
+
+@dataclass
+class Trace:
+    """Requests as chained-prefix nodes: node 0 is the empty prefix; node n's parent is
+    `parent[n]`. Per block event: its node, prompt tokens, and the next request using it."""
+
+    block_size: int
+    starts: list[int]  # request r's events are starts[r]:starts[r + 1]
+    nodes: list[int]
+    tokens: list[int]
+    next_use: list[int]  # index of the next request with this event's node; `requests` if none
+    parent: list[int]
+    depth: list[int]
+    keys: list[bytes]  # per node: the chunk key the index sees
+    timestamps: list[float] = field(default_factory=list)
+
+    @property
+    def requests(self) -> int:
+        return len(self.starts) - 1
+
+    @property
+    def unique_blocks(self) -> int:
+        return len(self.parent) - 1
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.tokens)
+
+
+def _open(path: Path) -> IO[str]:
+    with path.open("rb") as probe:
+        gzipped = probe.read(2) == b"\x1f\x8b"
+    if gzipped:
+        return gzip.open(path, "rt", encoding="utf-8")
+    return path.open(encoding="utf-8")
+
+
+def _block_tokens(input_length: int, block_size: int, index: int) -> int:
+    """Prompt tokens of a request's block `index`: full blocks, then what remains (at least
+    one token, as kvcache-simulator counts a block past `input_length`)."""
+    return max(1, min(block_size, input_length - index * block_size))
+
+
+def read_records(path: Path, limit: int | None = None) -> Iterator[dict[str, Any]]:
+    with _open(path) as lines:
+        count = 0
+        for line in lines:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            ids = record.get("hash_ids") if isinstance(record, dict) else None
+            if not isinstance(ids, list) or not ids or int(record.get("input_length", 0)) <= 0:
+                continue
+            yield record
+            count += 1
+            if limit is not None and count >= limit:
+                return
+
+
+def load_trace(path: Path, block_size: int | None = None, limit: int | None = None) -> Trace:
+    """Read a trace; `block_size` is the fallback for records without one (records that
+    name a block size must agree)."""
+    edges: dict[tuple[int, Any], int] = {}
+    parent = [0]
+    depth = [0]
+    starts: list[int] = []
+    nodes: list[int] = []
+    tokens: list[int] = []
+    timestamps: list[float] = []
+    size: int | None = None
+    for record in read_records(path, limit):
+        own = record.get("block_size")
+        if own is not None:
+            if size is not None and int(own) != size:
+                raise TraceError(f"{path}: block_size {own} after block_size {size}")
+            size = int(own)
+        if size is None:
+            size = block_size or DEFAULT_BLOCK_SIZE
+        starts.append(len(nodes))
+        timestamps.append(float(record.get("timestamp", 0)))
+        input_length = int(record["input_length"])
+        node = 0
+        for index, block in enumerate(record["hash_ids"]):
+            child = edges.get((node, block))
+            if child is None:
+                child = edges[(node, block)] = len(parent)
+                parent.append(node)
+                depth.append(depth[node] + 1)
+            node = child
+            nodes.append(node)
+            tokens.append(_block_tokens(input_length, size, index))
+    if not starts:
+        raise TraceError(f"{path}: no records with hash_ids and a positive input_length")
+    starts.append(len(nodes))
+    requests = len(starts) - 1
+    next_use = [requests] * len(nodes)
+    last = [requests] * len(parent)
+    for r in range(requests - 1, -1, -1):
+        span = range(starts[r], starts[r + 1])
+        for i in span:
+            next_use[i] = last[nodes[i]]
+        for i in span:
+            last[nodes[i]] = r
+    keys = [n.to_bytes(8, "big") for n in range(len(parent))]
+    return Trace(
+        size or DEFAULT_BLOCK_SIZE, starts, nodes, tokens, next_use, parent, depth, keys, timestamps
+    )
+
+
+class BeladyPolicy(EvictionPolicy):
+    """Offline optimal: evict the chunk whose next use is furthest away (the deeper of two
+    used by the same request, so a prefix outlives its extensions), and admit nothing whose
+    next use is no sooner than that chunk's. The replay tells it, before each request, when
+    each of the request's chunks is next used (`upcoming`)."""
+
+    name = OPTIMAL
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.upcoming: dict[ChunkId, tuple[int, int]] = {}  # chunk -> (next use, depth)
+        self._rank: dict[ChunkId, tuple[int, int]] = {}
+        self._heap: list[tuple[int, int, int, ChunkId]] = []
+        self._seq = 0
+
+    def _push(self, chunk: ChunkId) -> None:
+        rank = self.upcoming[chunk]
+        self._rank[chunk] = rank
+        self._seq += 1
+        heapq.heappush(self._heap, (-rank[0], -rank[1], -self._seq, chunk))
+
+    def on_insert(self, chunk: ChunkId) -> None:
+        self._push(chunk)
+
+    def on_hit(self, chunk: ChunkId) -> None:
+        if chunk in self._rank:
+            self._push(chunk)
+
+    def on_remove(self, chunk: ChunkId) -> None:
+        self._rank.pop(chunk, None)
+
+    def evict(
+        self, evictable: Callable[[ChunkId], bool], incoming: ChunkId | None = None
+    ) -> ChunkId | None:
+        skipped: list[tuple[int, int, int, ChunkId]] = []
+        victim: ChunkId | None = None
+        while self._heap:
+            item = self._heap[0]
+            chunk = item[3]
+            if self._rank.get(chunk) != (-item[0], -item[1]):
+                heapq.heappop(self._heap)  # superseded by a later push, or gone
+                continue
+            if not evictable(chunk):
+                skipped.append(heapq.heappop(self._heap))
+                continue
+            if incoming is not None and -item[0] <= self.upcoming[incoming][0]:
+                break  # the incoming chunk is needed no sooner: do not admit it
+            heapq.heappop(self._heap)
+            del self._rank[chunk]
+            victim = chunk
+            break
+        for item in skipped:
+            heapq.heappush(self._heap, item)
+        return victim
+
+    def __len__(self) -> int:
+        return len(self._rank)
+
+
+REPLAY_POLICIES = [*POLICIES, OPTIMAL]
+
+
+def _make(policy: str, blocks: int) -> EvictionPolicy:
+    return BeladyPolicy(blocks) if policy == OPTIMAL else make_policy(policy, blocks)
+
+
+@dataclass
+class Result:
+    policy: str
+    blocks: int
+    hit_tokens: int = 0  # measured window, prefix semantics
+    prompt_tokens: int = 0
+    hit_blocks: int = 0  # measured window, any resident block
+    looked_up_blocks: int = 0
+    filled: bool = False  # the cache was full before the measured window
+    evictions: int = 0
+    rejected: int = 0  # stores refused (optimal's bypass; every slot pinned)
+
+    @property
+    def hit_rate(self) -> float | None:
+        if not self.filled or not self.prompt_tokens:
+            return None
+        return self.hit_tokens / self.prompt_tokens
+
+    @property
+    def block_hit_rate(self) -> float | None:
+        if not self.filled or not self.looked_up_blocks:
+            return None
+        return self.hit_blocks / self.looked_up_blocks
+
+
+def replay(
+    trace: Trace,
+    policy: str,
+    blocks: int,
+    warmup_fraction: float = 0.5,
+    progress: Callable[[int], None] | None = None,
+) -> Result:
+    """Replay every request of `trace` through a `HostIndex` of `blocks` slots."""
+    chooser = _make(policy, blocks)
+    index = HostIndex(blocks, chooser)
+    upcoming = chooser.upcoming if isinstance(chooser, BeladyPolicy) else None
+    result = Result(policy, blocks)
+    warmup = int(trace.requests * warmup_fraction)
+    keys_of, nodes, tokens, next_use, depth = (
+        trace.keys,
+        trace.nodes,
+        trace.tokens,
+        trace.next_use,
+        trace.depth,
+    )
+    starts = trace.starts
+    for r in range(trace.requests):
+        start, end = starts[r], starts[r + 1]
+        keys = [keys_of[n] for n in nodes[start:end]]
+        if upcoming is not None:
+            for i in range(start, end):
+                n = nodes[i]
+                upcoming[(NAMESPACE, keys_of[n])] = (next_use[i], depth[n])
+        hits, prefix = index.lookup(NAMESPACE, keys)
+        if r >= warmup:
+            result.prompt_tokens += sum(tokens[start:end])
+            result.hit_tokens += sum(tokens[start : start + prefix])
+            result.hit_blocks += sum(hits)
+            result.looked_up_blocks += end - start
+        load = index.begin_load(CLIENT, NAMESPACE, keys[:prefix], _FOREVER)[0] if prefix else 0
+        index.touch()
+        if prefix < len(keys):
+            store = index.allocate(CLIENT, NAMESPACE, keys[prefix:], 1, _FOREVER)[0]
+            if store:
+                index.commit(store, CLIENT)
+        if load:
+            index.end_load(load, CLIENT)
+        if r < warmup and not result.filled and not index.free_slots:
+            result.filled = True
+        if progress is not None and r % 256 == 255:
+            progress(256)
+    if progress is not None:
+        progress(trace.requests % 256)
+    if upcoming is not None:
+        upcoming.clear()
+    result.evictions = index.counters.evictions
+    result.rejected = index.counters.full
+    return result
+
+
+@dataclass
+class Budget:
+    label: str  # as given: "8Gi", or the block count
+    blocks: int
+
+
+def budgets(
+    capacities: Sequence[str], block_bytes: int | None, blocks: Sequence[int]
+) -> list[Budget]:
+    out = [Budget(str(n), n) for n in blocks]
+    if capacities:
+        if not block_bytes:
+            raise ValueError("--capacity needs --block-bytes or --bytes-per-token")
+        out += [Budget(c, parse_bytes(c) // block_bytes) for c in capacities]
+    if not out:
+        raise ValueError("give --capacity (with --block-bytes) or --blocks")
+    for budget in out:
+        if budget.blocks < 1:
+            raise ValueError(f"capacity {budget.label} holds no block")
+    return out
+
+
+def run(
+    trace: Trace,
+    sizes: Sequence[Budget],
+    policies: Sequence[str],
+    warmup_fraction: float = 0.5,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Replay every (budget, policy); the report `--json` prints."""
+    rows: list[dict[str, Any]] = []
+    replayed = 0
+    began = time.perf_counter()
+    for size in sizes:
+        row: dict[str, Any] = {"capacity": size.label, "blocks": size.blocks}
+        block_rates: dict[str, float | None] = {}
+        saved: dict[str, int] = {}
+        for policy in policies:
+            result = replay(trace, policy, size.blocks, warmup_fraction, progress)
+            replayed += trace.requests
+            row[policy] = result.hit_rate
+            block_rates[policy] = result.block_hit_rate
+            saved[policy] = result.hit_tokens
+        row["block_hit_rate"] = block_rates
+        row["prefill_tokens_saved"] = saved
+        row["underfilled"] = all(row[p] is None for p in policies)
+        lru, optimal = row.get("lru"), row.get(OPTIMAL)
+        for policy in policies:
+            mine = row[policy]
+            if policy in ("lru", OPTIMAL) or mine is None or lru is None or optimal is None:
+                continue
+            if optimal > lru:  # the share of LRU's shortfall from optimal this policy recovers
+                row[f"{policy}_gap_closed"] = (mine - lru) / (optimal - lru)
+        rows.append(row)
+    elapsed = time.perf_counter() - began
+    return {
+        "trace": {
+            "requests": trace.requests,
+            "block_size": trace.block_size,
+            "unique_blocks": trace.unique_blocks,
+            "measured_from_request": int(trace.requests * warmup_fraction),
+        },
+        "policies": list(policies),
+        "budgets": rows,
+        "requests_per_s": replayed / elapsed if elapsed > 0 else None,
+    }
+
+
+def _percent(value: float | None) -> str:
+    return "underfilled" if value is None else f"{100 * value:.1f}%"
+
+
+def render(report: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    policies = report["policies"]
+    t = report["trace"]
+    table = Table(
+        title=f"{t['requests']:,} requests, {t['unique_blocks']:,} prefix blocks of "
+        f"{t['block_size']} tokens; hit prompt tokens up to the first miss, last "
+        f"{t['requests'] - t['measured_from_request']:,} requests"
+    )
+    table.add_column("capacity")
+    table.add_column("blocks", justify="right")
+    for policy in policies:
+        table.add_column(policy, justify="right")
+    for policy in policies:
+        table.add_column(f"{policy} (blocks)", justify="right")
+    gaps = (
+        [k for k in report["budgets"][0] if k.endswith("_gap_closed")] if report["budgets"] else []
+    )
+    for gap in gaps:
+        table.add_column(gap.replace("_gap_closed", " gap closed"), justify="right")
+    for row in report["budgets"]:
+        cells = [row["capacity"], f"{row['blocks']:,}"]
+        cells += [_percent(row[p]) for p in policies]
+        cells += [_percent(row["block_hit_rate"][p]) for p in policies]
+        cells += [f"{100 * row[g]:.0f}%" if g in row else "-" for g in gaps]
+        table.add_row(*cells)
+    table.caption = f"{report['requests_per_s']:,.0f} requests/s through the host index"
+    return table
+
+
+def main(args: Any) -> int:
+    """Entry point of `kvtier replay` (flags parsed in kvtier.cli)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    err = Console(stderr=True)
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    unknown = sorted(set(policies) - set(REPLAY_POLICIES))
+    if unknown:
+        err.print(f"unknown policy {', '.join(unknown)}; use {', '.join(REPLAY_POLICIES)}")
+        return 2
+    block_bytes = parse_bytes(args.block_bytes) if args.block_bytes else None
+    try:
+        trace = load_trace(args.trace, args.block_size, args.limit)
+        if block_bytes is None and args.bytes_per_token:
+            block_bytes = parse_bytes(args.bytes_per_token) * trace.block_size
+        capacities = [c.strip() for c in (args.capacity or "").split(",") if c.strip()]
+        blocks = [int(b) for b in (args.blocks or "").split(",") if b.strip()]
+        sizes = budgets(capacities, block_bytes, blocks)
+    except (OSError, ValueError) as exc:
+        err.print(str(exc))
+        return 2
+    total = trace.requests * len(sizes) * len(policies)
+    with Progress(
+        TextColumn("replay"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=err,
+        disable=args.json or not err.is_terminal,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("replay", total=total)
+        report = run(trace, sizes, policies, progress=lambda n: bar.advance(task, n))
+    if block_bytes:
+        report["block_bytes"] = block_bytes
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        out = Console(width=None if Console().is_terminal else 160)
+        out.print(render(report))
+        if block_bytes:
+            out.print(f"block = {format_bytes(block_bytes)}")
+    return 0
