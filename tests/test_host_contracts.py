@@ -21,6 +21,7 @@ from kvtier.agent.config import AgentConfig
 from kvtier.agent.process import AgentProcess
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled
+from tests.test_agent_tiers import wait_for
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 
@@ -186,11 +187,11 @@ def test_reader_whose_lease_expired_gets_no_other_chunks_bytes(
 def test_writer_whose_lease_expired_cannot_alter_the_next_chunk_of_its_slot(
     make_config: Callable[..., AgentConfig], agent_factory: StartAgent
 ) -> None:
-    config = make_config({"leaseTimeoutSeconds": 0.3})
+    config = make_config({"leaseTimeoutSeconds": 1.0})
     agent_factory(config)
     with AgentClient(config.endpoint) as slow, AgentClient(config.endpoint) as other:
         grant = slow.allocate(NS, [key(0)], ROW)
-        time.sleep(0.6)  # the lease expires while the writer is descheduled
+        time.sleep(1.3)  # the lease expires while the writer is descheduled (it rests 1 s)
         n = other.stats()["slots"]
         other.store(NS, [key(i) for i in range(1, n + 1)], [row(i, ROW) for i in range(1, n + 1)])
         wait_settled(other)
@@ -240,10 +241,7 @@ def test_client_that_missed_a_restart_is_registered_again(
             assert client.stats()["leases"] == 1
             holder.kill()
             holder.join()
-            deadline = time.monotonic() + 5  # the lease timeout is 30 s
-            while client.stats()["leases"] and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert client.stats()["leases"] == 0
+            wait_for(lambda: client.stats()["leases"] == 0, timeout=5)  # the timeout is 30 s
         lock_dir = config.run_dir / "clients"
         assert not [p.name for p in lock_dir.iterdir() if p.name.startswith(f"{holder.pid}-")]
     finally:
@@ -273,10 +271,7 @@ def test_lock_of_a_client_that_died_while_the_agent_was_down_is_removed(
     client.kill()
     client.join()
     agent_factory(config)
-    deadline = time.monotonic() + 5
-    while mine[0].exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not mine[0].exists(), "the dead client's lock file stayed"
+    wait_for(lambda: not mine[0].exists(), timeout=10)  # the dead client's lock file goes
 
 
 def _connect_as_nobody(endpoint: str, results: Any) -> None:
