@@ -8,7 +8,14 @@ prompts in T2 alone, where LRU would flush them.
 
 The paper's single `request` is split in two here because the cache learns of a miss at
 lookup time but only receives the chunk later, when the engine stores it: `on_hit` handles
-a hit, `evict` is REPLACE, and `on_insert` the rest of a miss.
+a hit (case I), `evict` is REPLACE, and `on_insert` the rest of a miss. The order is the
+paper's: a store of a chunk found in a ghost list adapts `p` first (in `evict`, which the
+index calls with the incoming chunk when the pool is full; in `on_insert` when a slot was
+free), then REPLACE compares |T1| with that new `p`, exactly (`p` is a real number; the
+tie |T1| = p favours evicting from T1 only for a chunk coming back from B2). The directory
+trimming of case IV (drop B1's or B2's oldest ghost) runs when the chunk is inserted, which
+leaves the same lists as the paper's order: REPLACE never looks at which ghosts are there
+other than the incoming chunk.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ class ARCPolicy(EvictionPolicy):
         self.t2: _List = OrderedDict()
         self.b1: _List = OrderedDict()
         self.b2: _List = OrderedDict()
+        # Ghost hits whose adaptation of p already ran in `evict`, before REPLACE.
+        self._adapted: set[ChunkId] = set()
 
     def on_hit(self, chunk: ChunkId) -> None:
         if chunk in self.t1:
@@ -40,23 +49,31 @@ class ARCPolicy(EvictionPolicy):
         elif chunk in self.t2:
             self.t2.move_to_end(chunk)
 
-    def on_insert(self, chunk: ChunkId) -> None:
-        c = self.capacity
+    def _adapt(self, chunk: ChunkId) -> None:
+        """Cases II and III: a ghost hit moves the target size of T1 towards its list, by
+        1 or by the other ghost list's size relative to this one, whichever is larger."""
         if chunk in self.b1:
-            self.p = min(float(c), self.p + max(len(self.b2) / len(self.b1), 1.0))
-            del self.b1[chunk]
-            self.t2[chunk] = None
+            self.p = min(float(self.capacity), self.p + max(len(self.b2) / len(self.b1), 1.0))
         elif chunk in self.b2:
             self.p = max(0.0, self.p - max(len(self.b1) / len(self.b2), 1.0))
-            del self.b2[chunk]
+
+    def on_insert(self, chunk: ChunkId) -> None:
+        c = self.capacity
+        if chunk in self.b1 or chunk in self.b2:
+            if chunk in self._adapted:
+                self._adapted.discard(chunk)
+            else:
+                self._adapt(chunk)
+            self.b1.pop(chunk, None)
+            self.b2.pop(chunk, None)
             self.t2[chunk] = None
         elif chunk not in self.t1 and chunk not in self.t2:
             self.t1[chunk] = None
         # Directory bounds of the paper: |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c.
         while self.b1 and len(self.t1) + len(self.b1) > c:
-            self.b1.popitem(last=False)
+            self._adapted.discard(self.b1.popitem(last=False)[0])
         while self.b2 and len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c:
-            self.b2.popitem(last=False)
+            self._adapted.discard(self.b2.popitem(last=False)[0])
 
     def on_remove(self, chunk: ChunkId) -> None:
         self.t1.pop(chunk, None)
@@ -65,8 +82,12 @@ class ARCPolicy(EvictionPolicy):
     def evict(
         self, evictable: Callable[[ChunkId], bool], incoming: ChunkId | None = None
     ) -> ChunkId | None:
+        returning = incoming is not None and (incoming in self.b1 or incoming in self.b2)
+        if returning and incoming not in self._adapted:
+            self._adapt(incoming)
+            self._adapted.add(incoming)
         prefer_t1 = bool(self.t1) and (
-            len(self.t1) > self.p or (incoming in self.b2 and len(self.t1) == int(self.p))
+            len(self.t1) > self.p or (incoming in self.b2 and len(self.t1) == self.p)
         )
         order = ((self.t1, self.b1), (self.t2, self.b2))
         for resident, ghost in order if prefer_t1 else order[::-1]:
