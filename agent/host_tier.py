@@ -29,7 +29,7 @@ import numpy as np
 
 from kvtier.agent.chunk import ChunkHeader, SlotState, checksum
 from kvtier.agent.config import HostTierConfig
-from kvtier.agent.index import BUSY, EXISTS, FULL, Entry, HostIndex
+from kvtier.agent.index import BUSY, EXISTS, FULL, MISS, Entry, HostIndex
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
 from kvtier.agent.pool import PoolGeometry, create_or_reuse, slot_payload_bytes
@@ -165,10 +165,40 @@ class HostTier:
     def begin_load(
         self, client: str, namespace: str, keys: list[bytes]
     ) -> tuple[int, list[int], list[int]]:
+        """Lend the ready chunks among `keys` for reading. Every client of the tier maps the
+        pool writable, so each sealed chunk is checked against its checksum before it is
+        lent: one altered after sealing is a miss, counted and dropped (its slot is free for
+        the next store), never served. The check runs outside the lock, on pinned slots."""
+        deadline = time.monotonic() + self.lease_seconds
         with self.lock:
-            lease, slots, generations = self.index.begin_load(
-                client, namespace, keys, time.monotonic() + self.lease_seconds
-            )
+            lease, slots, generations = self.index.begin_load(client, namespace, keys, deadline)
+            lent = [
+                self.index.get(namespace, k) if s >= 0 else None
+                for k, s in zip(keys, slots, strict=True)
+            ]
+        altered = {
+            i
+            for i, entry in enumerate(lent)
+            if entry is not None
+            and entry.checksum is not None
+            and checksum(self.payload(entry)) != entry.checksum
+        }
+        if altered:
+            with self.lock:
+                self.index.end_load(lease, client)
+                for i in sorted(altered):
+                    entry = lent[i]
+                    assert entry is not None
+                    self.index.remove(entry)  # pinned by another reader: dropped at its next load
+                    self._count_corrupt(f"slot {entry.slot} of {namespace} altered after sealing")
+                kept = [k for i, k in enumerate(keys) if i not in altered]
+                lease, kept_slots, kept_generations = self.index.begin_load(
+                    client, namespace, kept, deadline
+                )
+            granted = iter(zip(kept_slots, kept_generations, strict=True))
+            pairs = [(MISS, 0) if i in altered else next(granted) for i in range(len(keys))]
+            slots, generations = [s for s, _ in pairs], [g for _, g in pairs]
+        with self.lock:
             nbytes = self.index.lease_bytes(lease)
         self._load_bytes.inc(nbytes)
         return lease, slots, generations

@@ -104,6 +104,30 @@ def test_engines_reload_kv_from_the_agent(agent: AgentConfig) -> None:
 
 
 @pytest.mark.timeout(1200)
+def test_bytes_altered_in_the_pool_after_sealing_are_never_loaded(agent: AgentConfig) -> None:
+    """Any pod of the tier maps the pool writable: 4 KiB flipped in half of a model's
+    sealed chunks. A fresh engine produces the output of recompute (the altered chunks are
+    misses, and a prompt's hits end at its first one), and the agent counts each."""
+    model = str(build(REPO / ".scratch" / "tiny-llama"))
+    run = {"model": model, "kv_transfer_config": kv_config(agent), "prompts": PROMPTS}
+    (first,) = run_engines([run]).results
+    with AgentClient(agent.endpoint) as client:
+        (namespace,) = client.stats()["namespaces"]
+    agent_python = os.environ.get("KVTIER_AGENT_PYTHON", sys.executable)
+    hostile = [agent_python, "-m", "tests.pool_access", str(agent.pool_path), namespace]
+    altered = int(
+        subprocess.run(hostile, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    )
+    assert altered > 0
+    (fresh,) = run_engines([run]).results
+    assert fresh["passes"][0] == first["passes"][0]
+    with AgentClient(agent.endpoint) as client:
+        corrupt = client.stats()["corrupt"]
+    assert 0 < corrupt <= altered
+    assert fresh["metrics"][HITS] < 2 * BLOCKS_PER_PROMPT * 32  # fewer than all reloaded
+
+
+@pytest.mark.timeout(1200)
 def test_other_weights_or_config_at_the_same_path_get_no_hits(
     agent: AgentConfig, scratch: Path
 ) -> None:
