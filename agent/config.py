@@ -36,7 +36,7 @@ ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
 
 # Fixes for the errors pydantic words itself; our own validators put the fix in the message.
 _FIXES = {
-    "host.policy": "use one of: lru, arc",
+    "host.policy": "use one of: lru, arc, prefix",
     "host.capacity": "write a positive size such as 4Gi",
     "host.chunkBytes": "write the size of one vLLM offload row, such as 2Mi",
     "leaseTimeoutSeconds": "use a positive number of seconds, such as 30",
@@ -63,7 +63,7 @@ class HostTierConfig(_Model):
 
     capacity: ByteSize = Field(description="Total bytes of the pool, headers included.")
     chunk_bytes: ByteSize = Field(description="Bytes of one KV chunk row, the slot payload size.")
-    policy: Literal["lru", "arc"] = Field(default="lru", description="Eviction policy.")
+    policy: Literal["lru", "arc", "prefix"] = Field(default="lru", description="Eviction policy.")
     pool_dir: Path = Field(
         default=Path("/dev/shm/kvtier"), description="Directory of the pool file (a tmpfs)."
     )

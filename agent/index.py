@@ -167,14 +167,30 @@ class HostIndex:
     # --- store ---------------------------------------------------------------------------
 
     def allocate(
-        self, client: str, namespace: str, keys: list[bytes], length: int, deadline: float
+        self,
+        client: str,
+        namespace: str,
+        keys: list[bytes],
+        length: int,
+        deadline: float,
+        parents: list[bytes | None] | None = None,
     ) -> tuple[int, list[int], list[int]]:
         """Reserve a slot per new key for `client` to write; returns (lease id, slots, the
         granted slots' generations).
 
         Keys already held or being written get EXISTS/BUSY instead of a slot, so duplicate
-        stores cost one round trip and no copy.
+        stores cost one round trip and no copy. `parents`, where the store names them, are
+        each key's predecessor in its request, for the policy (`PrefixPolicy`).
         """
+        if parents is not None and any(p is not None for p in parents):
+            held = self._by_ns.get(namespace, {})
+            self.policy.on_parents(
+                [
+                    ((namespace, key), None if parent is None else (namespace, parent))
+                    for key, parent in zip(keys, parents, strict=True)
+                    if key not in held
+                ]
+            )
         table = self._by_ns.setdefault(namespace, {})
         slots: list[int] = []
         generations: list[int] = []

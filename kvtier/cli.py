@@ -245,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--conversations", type=int, default=3, help="conversations per client (default 3)"
     )
     demo.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
-    demo.add_argument("--policy", choices=["lru", "arc"], default="lru", help="eviction policy")
+    demo.add_argument(
+        "--policy", choices=["lru", "arc", "prefix"], default="lru", help="eviction policy"
+    )
     demo.add_argument("--capacity", default="12Mi", help="host pool capacity (default 12Mi)")
     demo.add_argument(
         "--fs-dir",
@@ -315,7 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--blocks", default=None, help="comma-separated capacities in blocks")
     replay.add_argument(
-        "--policy", default="lru,arc,optimal", help="comma-separated: lru, arc, optimal"
+        "--policy",
+        default="lru,arc,prefix,optimal",
+        help="comma-separated: lru, arc, prefix, optimal",
     )
     replay.add_argument(
         "--block-size",

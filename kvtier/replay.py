@@ -9,9 +9,10 @@ chunk.
 Every request goes through `HostIndex` as the agent drives it for the vLLM plug-in: one
 lookup of all its keys, a load lease on the hit prefix (the chunks being read are pinned), the
 hits reported to the policy, then a store of the blocks after the prefix (a store lease,
-committed). Capacity is the pool's slot count. The policies are the agent's own, plus
-`optimal`: Belady's rule on the next request that uses a chunk, with bypass (a block whose
-next use is no sooner than every resident chunk's is not admitted), as an upper bound.
+committed; the store names each block's predecessor). Capacity is the pool's slot count. The
+policies are the agent's own, plus `optimal`: Belady's rule on the next request that uses a
+chunk, with bypass (a block whose next use is no sooner than every resident chunk's is not
+admitted), as an upper bound.
 
 Accounting follows kvcache-simulator so the figures compare: hits count only up to a
 request's first missing block (what vLLM can use), weighted by the block's prompt tokens
@@ -282,7 +283,9 @@ def replay(
         load = index.begin_load(CLIENT, NAMESPACE, keys[:prefix], _FOREVER)[0] if prefix else 0
         index.touch()
         if prefix < len(keys):
-            store = index.allocate(CLIENT, NAMESPACE, keys[prefix:], 1, _FOREVER)[0]
+            # The store names each block's predecessor, as the plug-in does.
+            parents = [keys[prefix - 1] if prefix else None, *keys[prefix:-1]]
+            store = index.allocate(CLIENT, NAMESPACE, keys[prefix:], 1, _FOREVER, parents)[0]
             if store:
                 index.commit(store, CLIENT)
         if load:

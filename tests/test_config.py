@@ -59,7 +59,7 @@ def test_slot_larger_than_pool_refused(scratch: Path) -> None:
 def test_unknown_policy_refused(scratch: Path) -> None:
     message = refuse(config_data(scratch, policy="fifo"))
     assert "host.policy" in message and "'fifo'" in message
-    assert "use one of: lru, arc" in message
+    assert "use one of: lru, arc, prefix" in message
 
 
 def test_unreadable_size_refused(scratch: Path) -> None:

@@ -8,7 +8,7 @@ from kvtier.agent.index import BUSY, EXISTS, FULL, MISS, HostIndex, LeaseError
 from kvtier.agent.policy import make_policy
 
 
-@pytest.fixture(params=["lru", "arc"])
+@pytest.fixture(params=["lru", "arc", "prefix"])
 def index(request: pytest.FixtureRequest) -> HostIndex:
     return HostIndex(4, make_policy(request.param, 4))
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 from kvtier.agent.policy.arc import ARCPolicy
 from kvtier.agent.policy.base import ChunkId, EvictionPolicy
 from kvtier.agent.policy.lru import LRUPolicy
+from kvtier.agent.policy.prefix import PrefixPolicy
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "arc": ARCPolicy,
+    "prefix": PrefixPolicy,
+}
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
@@ -18,4 +23,12 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
         ) from None
 
 
-__all__ = ["POLICIES", "ARCPolicy", "ChunkId", "EvictionPolicy", "LRUPolicy", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "ARCPolicy",
+    "ChunkId",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "PrefixPolicy",
+    "make_policy",
+]

@@ -32,6 +32,11 @@ class EvictionPolicy(ABC):
         for chunk in chunks:
             self.on_hit(chunk)
 
+    def on_parents(self, pairs: Sequence[tuple[ChunkId, ChunkId | None]]) -> None:
+        """Chunks about to be stored, each with the chunk before it in its request where
+        the store named it. Only policies that keep the prefix tree use it."""
+        return None
+
     @abstractmethod
     def on_remove(self, chunk: ChunkId) -> None:
         """A resident chunk left for a reason of its own (corrupt, deleted), not eviction."""

@@ -1,0 +1,182 @@
+"""The prefix-aware policy: leaves first, reuse with aging, ARC until parents are known, and
+never worse than LRU where LRU is at its best or a scan floods the pool."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.agent.index import HostIndex
+from kvtier.agent.policy import ARCPolicy, PrefixPolicy, make_policy
+from kvtier.replay import load_trace, replay
+
+NS = "ns"
+
+
+def always(_chunk: object) -> bool:
+    return True
+
+
+def store(index: HostIndex, keys: list[bytes], parents: list[bytes | None] | None) -> None:
+    lease = index.allocate("c", NS, keys, 1, 1e18, parents)[0]
+    if lease:
+        index.commit(lease, "c")
+
+
+def chain(keys: list[bytes]) -> list[bytes | None]:
+    return [None, *keys[:-1]]
+
+
+def test_evicts_leaves_before_their_prefix() -> None:
+    policy = PrefixPolicy(4)
+    index = HostIndex(4, policy)
+    store(index, [b"a", b"b", b"c"], chain([b"a", b"b", b"c"]))
+    store(index, [b"x"], [None])
+    index.lookup(NS, [b"x"])
+    index.touch()
+    # a is the oldest and as little used as b and c, but c and then b depend on it.
+    assert policy.evict(always) == (NS, b"c")
+    assert policy.evict(always) == (NS, b"b")
+    assert policy.evict(always) == (NS, b"a")
+    assert policy.evict(always) == (NS, b"x")
+
+
+def test_shared_head_outlives_one_off_prompts() -> None:
+    policy = PrefixPolicy(8)
+    index = HostIndex(8, policy)
+    for i in range(40):
+        tail = b"t%d" % i
+        _hits, prefix = index.lookup(NS, [b"sys", tail])
+        index.touch()
+        keys = [b"sys", tail][prefix:]
+        store(index, keys, chain([b"sys", tail])[prefix:])
+    assert index.get(NS, b"sys") is not None
+    assert policy.describe()["tree"] is True
+
+
+def test_pinned_leaves_are_skipped_and_a_full_pin_gives_none() -> None:
+    policy = PrefixPolicy(3)
+    for key, parent in ((b"a", None), (b"b", b"a"), (b"c", None)):
+        policy.on_parents([((NS, key), None if parent is None else (NS, parent))])
+        policy.on_insert((NS, key))
+    assert policy.evict(lambda c: c != (NS, b"b")) == (NS, b"c")
+    # Only b's parent a is unpinned: a leaf is pinned, so an inner chunk goes.
+    assert policy.evict(lambda c: c == (NS, b"a")) == (NS, b"a")
+    assert policy.evict(lambda c: False) is None
+    assert len(policy) == 1
+
+
+def test_evicted_chunk_that_returns_keeps_its_uses() -> None:
+    policy = PrefixPolicy(2)
+    policy.on_parents([((NS, b"x"), (NS, b"root"))])
+    for key in (b"hot", b"x"):
+        policy.on_insert((NS, key))
+    for _ in range(3):
+        policy.on_hit((NS, b"hot"))
+    assert policy.evict(always) == (NS, b"x")
+    assert policy.evict(always) == (NS, b"hot")
+    policy.on_insert((NS, b"hot"))  # back: 5 uses, 25 above the age
+    policy.on_insert((NS, b"new"))
+    assert policy.evict(always) == (NS, b"new")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(alphabet="abcdefgh", max_size=80), st.integers(1, 5))
+def test_without_parents_it_is_arc(refs: str, capacity: int) -> None:
+    ours, arc = (
+        HostIndex(capacity, PrefixPolicy(capacity)),
+        HostIndex(capacity, ARCPolicy(capacity)),
+    )
+    for x in refs:
+        for index in (ours, arc):
+            key = x.encode()
+            if not index.lookup(NS, [key])[0][0]:
+                store(index, [key], None)
+            index.touch()
+        assert sorted(ours.missing(NS, [c.encode() for c in "abcdefgh"])) == sorted(
+            arc.missing(NS, [c.encode() for c in "abcdefgh"])
+        )
+    assert ours.policy.describe()["tree"] is False
+
+
+def test_switch_to_the_tree_keeps_residents() -> None:
+    policy = PrefixPolicy(4)
+    index = HostIndex(4, policy)
+    store(index, [b"a", b"b"], None)
+    index.lookup(NS, [b"a"])
+    index.touch()
+    store(index, [b"c", b"d"], [b"b", b"c"])  # the first parents: leave ARC
+    assert policy.arc is None and len(policy) == 4
+    victim = policy.evict(always)
+    assert victim in {(NS, b"d"), (NS, b"a")}  # a leaf (a has no known children)
+    assert victim != (NS, b"c") and victim != (NS, b"b")
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4)), max_size=60),
+    st.integers(2, 8),
+)
+def test_index_invariants_with_chains(requests: list[tuple[int, int]], capacity: int) -> None:
+    """Random conversations through the index: the policy's residents are the index's."""
+    policy = PrefixPolicy(capacity)
+    index = HostIndex(capacity, policy)
+    turns = [0] * 6
+    for conversation, grow in requests:
+        turns[conversation] += grow
+        keys = [b"%d-%d" % (conversation, i) for i in range(turns[conversation])]
+        _hits, prefix = index.lookup(NS, keys)
+        index.touch()
+        if prefix < len(keys):
+            store(index, keys[prefix:], chain(keys)[prefix:])
+        assert len(policy) == index.chunks <= capacity
+
+
+def write(path: Path, requests: list[list[int]]) -> Path:
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": i, "input_length": 512 * len(ids), "hash_ids": ids}) + "\n"
+            for i, ids in enumerate(requests)
+        )
+    )
+    return path
+
+
+def scan_heavy(seed: int = 7) -> list[list[int]]:
+    """A few system prompts with chats behind them, drowned in one-off long prompts."""
+    rng = random.Random(seed)
+    requests: list[list[int]] = []
+    chats: list[list[int]] = []
+    fresh = 10_000
+    for _ in range(3000):
+        if rng.random() < 0.6:  # a one-off document, 8-24 blocks
+            requests.append(list(range(fresh, fresh + rng.randint(8, 24))))
+            fresh += 24
+        elif chats and rng.random() < 0.7:  # the next turn of a chat
+            chat = rng.choice(chats)
+            chat += list(range(fresh, fresh + rng.randint(1, 3)))
+            fresh += 3
+            requests.append(list(chat))
+        else:  # a new chat behind one of 4 system prompts
+            chat = [rng.randrange(4) * 10, *range(fresh, fresh + 2)]
+            fresh += 2
+            chats.append(chat)
+            requests.append(list(chat))
+    return requests
+
+
+def test_scan_heavy_trace_never_worse_than_lru(tmp_path: Path) -> None:
+    trace = load_trace(write(tmp_path / "scan.jsonl", scan_heavy()))
+    for blocks in (32, 128, 512):
+        lru = replay(trace, "lru", blocks).hit_rate
+        prefix = replay(trace, "prefix", blocks).hit_rate
+        assert lru is not None and prefix is not None
+        assert prefix >= lru, (blocks, prefix, lru)
+
+
+def test_selectable_by_name() -> None:
+    assert isinstance(make_policy("prefix", 4), PrefixPolicy)
