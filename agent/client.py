@@ -181,8 +181,18 @@ class AgentClient:
         reply = self._call(p.Lookup(namespace, list(keys), source), p.LookupReply)
         return LookupResult(reply.hits, reply.prefix, reply.where)
 
-    def allocate(self, namespace: str, keys: Sequence[bytes], nbytes: int) -> Grant:
-        reply = self._call(p.Allocate(namespace, list(keys), nbytes), p.LeaseReply)
+    def allocate(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        nbytes: int,
+        parents: Sequence[bytes | None] | None = None,
+    ) -> Grant:
+        """`parents`: each key's predecessor in its request, where known (None otherwise)."""
+        request = p.Allocate(
+            namespace, list(keys), nbytes, None if parents is None else list(parents)
+        )
+        reply = self._call(request, p.LeaseReply)
         return Grant(reply.lease, reply.slots, reply.where, reply.generations)
 
     def commit(self, lease: int) -> None:

@@ -182,15 +182,8 @@ class HostIndex:
         stores cost one round trip and no copy. `parents`, where the store names them, are
         each key's predecessor in its request, for the policy (`PrefixPolicy`).
         """
-        if parents is not None and any(p is not None for p in parents):
-            held = self._by_ns.get(namespace, {})
-            self.policy.on_parents(
-                [
-                    ((namespace, key), None if parent is None else (namespace, parent))
-                    for key, parent in zip(keys, parents, strict=True)
-                    if key not in held
-                ]
-            )
+        if parents is not None:
+            self.note_parents(namespace, keys, parents)
         table = self._by_ns.setdefault(namespace, {})
         slots: list[int] = []
         generations: list[int] = []
@@ -222,6 +215,22 @@ class HostIndex:
         if not entries:
             return 0, slots, generations
         return self._new_lease(client, "store", entries, deadline), slots, generations
+
+    def note_parents(self, namespace: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+        """Tell the policy each key's predecessor in its request (None where the store did
+        not name one), for the keys not held yet: what a store is about to add."""
+        if len(parents) != len(keys):
+            raise ValueError(f"{len(parents)} parents for {len(keys)} keys")
+        if all(p is None for p in parents):
+            return
+        held = self._by_ns.get(namespace, {})
+        self.policy.on_parents(
+            [
+                ((namespace, key), None if parent is None else (namespace, parent))
+                for key, parent in zip(keys, parents, strict=True)
+                if key not in held
+            ]
+        )
 
     def commit(self, lease_id: int, client: str) -> list[Entry]:
         """Make a store lease's chunks readable; returns them for sealing."""

@@ -67,6 +67,9 @@ class Allocate(msgspec.Struct, tag="allocate"):
     namespace: Namespace
     keys: Keys
     nbytes: Annotated[int, msgspec.Meta(ge=1, lt=1 << 62)]
+    # Each key's predecessor in its request where the client knows it (for the `prefix`
+    # policy); an agent that predates the field ignores it, and its absence means none.
+    parents: Annotated[list[Key | None], msgspec.Meta(max_length=MAX_KEYS)] | None = None
 
 
 class Commit(msgspec.Struct, tag="commit"):

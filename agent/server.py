@@ -257,7 +257,10 @@ class Agent:
                 if self.tiers is not None and prefix < len(keys):
                     return lambda: self._lookup_tiers(namespace, keys, hits, source, deadline)
                 return p.LookupReply(hits, prefix, [0 if h else MISS for h in hits])
-            case p.Allocate(namespace, keys, nbytes):
+            case p.Allocate(namespace, keys, nbytes, parents):
+                if parents is not None:  # for the policy, before the store evicts anything
+                    with host.lock:
+                        host.index.note_parents(namespace, keys, parents)
                 lease, slots, generations = host.allocate(client, namespace, keys, nbytes)
                 return p.LeaseReply(lease, slots, [], generations)
             case p.Commit(lease):

@@ -13,6 +13,7 @@ turns lookups into misses and stores into dropped jobs, counted and logged once 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import sys
@@ -173,6 +174,11 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._events_poll: Future[None] | None = None
         self._next_events_poll = 0.0
         self._stats_lock = threading.Lock()
+        # Per request and KV group: the chunk keys seen at each end-token position, so a
+        # store can name each chunk's predecessor (the agent's `prefix` policy keeps the
+        # prefix tree with them).
+        self._chains: dict[str, dict[bytes, dict[int, bytes]]] = {}
+        self._chains_lock = threading.Lock()
         self._stats: list[tuple[str, str, float, tuple[str, ...]]] = []
         self._vllm_config = engine_vllm_config(offloading_spec.config.model.name)
         self._fingerprint = engine_fingerprint(
@@ -245,6 +251,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
     # --- SecondaryTierManager -------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._note_positions([key], req_context)
         found = self._lookup.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
@@ -255,6 +262,43 @@ class KVTierSecondaryTier(SecondaryTierManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookup.cleanup(req_context.req_id)
+        with self._chains_lock:
+            self._chains.pop(req_context.req_id, None)
+
+    def _note_positions(self, keys: Iterable[OffloadKey], req_context: Any) -> None:
+        position_of = getattr(req_context, "get_offload_key_position", None)
+        req_id = getattr(req_context, "req_id", None)
+        if position_of is None or req_id is None:
+            return
+        with self._chains_lock:
+            groups = self._chains.setdefault(req_id, {})
+            for key in keys:
+                position = position_of(key)
+                if position is not None:
+                    groups.setdefault(bytes(key[-4:]), {})[position] = bytes(key)
+
+    def parents_of(self, keys: list[bytes], req_context: Any) -> list[bytes | None] | None:
+        """Each key's predecessor: the key of the same request and KV group at the nearest
+        earlier position vLLM recorded, where there is one."""
+        self._note_positions([OffloadKey(k) for k in keys], req_context)
+        position_of = getattr(req_context, "get_offload_key_position", None)
+        req_id = getattr(req_context, "req_id", None)
+        if position_of is None or req_id is None:
+            return None
+        parents: list[bytes | None] = []
+        with self._chains_lock:
+            groups = self._chains.get(req_id, {})
+            ordered = {g: sorted(chain) for g, chain in groups.items()}
+            for key in keys:
+                position = position_of(OffloadKey(key))
+                group = key[-4:]
+                known = ordered.get(group)
+                if position is None or not known:
+                    parents.append(None)
+                    continue
+                i = bisect.bisect_left(known, position)
+                parents.append(groups[group][known[i - 1]] if i else None)
+        return parents if any(p is not None for p in parents) else None
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         while True:
@@ -358,7 +402,12 @@ class KVTierSecondaryTier(SecondaryTierManager):
         keys = [bytes(k) for k in job.keys]
         try:
             client = self._connected()
-            grant = client.allocate(self.namespace, keys, self._row_bytes)
+            try:
+                parents = self.parents_of(keys, job.req_context)
+            except Exception:  # only an eviction hint: never a reason to fail the store
+                log.debug("kvtier: no parents for store job %s", job.job_id, exc_info=True)
+                parents = None
+            grant = client.allocate(self.namespace, keys, self._row_bytes, parents)
             stored = [k for k, s in zip(keys, grant.slots, strict=True) if s >= 0]
             if grant.lease:
                 for slot, chunk in zip(grant.slots, job.chunk_ids, strict=True):

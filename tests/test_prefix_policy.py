@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.agent import protocol as p
+from kvtier.agent.client import AgentClient, AgentRefused
+from kvtier.agent.config import AgentConfig
 from kvtier.agent.index import HostIndex
 from kvtier.agent.policy import ARCPolicy, PrefixPolicy, make_policy
+from kvtier.agent.process import AgentProcess
 from kvtier.replay import load_trace, replay
+from tests.conftest import ROW
+from tests.helpers import key
 
 NS = "ns"
 
@@ -60,9 +69,9 @@ def test_shared_head_outlives_one_off_prompts() -> None:
 
 def test_pinned_leaves_are_skipped_and_a_full_pin_gives_none() -> None:
     policy = PrefixPolicy(3)
-    for key, parent in ((b"a", None), (b"b", b"a"), (b"c", None)):
-        policy.on_parents([((NS, key), None if parent is None else (NS, parent))])
-        policy.on_insert((NS, key))
+    for name, parent in ((b"a", None), (b"b", b"a"), (b"c", None)):
+        policy.on_parents([((NS, name), None if parent is None else (NS, parent))])
+        policy.on_insert((NS, name))
     assert policy.evict(lambda c: c != (NS, b"b")) == (NS, b"c")
     # Only b's parent a is unpinned: a leaf is pinned, so an inner chunk goes.
     assert policy.evict(lambda c: c == (NS, b"a")) == (NS, b"a")
@@ -73,8 +82,8 @@ def test_pinned_leaves_are_skipped_and_a_full_pin_gives_none() -> None:
 def test_evicted_chunk_that_returns_keeps_its_uses() -> None:
     policy = PrefixPolicy(2)
     policy.on_parents([((NS, b"x"), (NS, b"root"))])
-    for key in (b"hot", b"x"):
-        policy.on_insert((NS, key))
+    for name in (b"hot", b"x"):
+        policy.on_insert((NS, name))
     for _ in range(3):
         policy.on_hit((NS, b"hot"))
     assert policy.evict(always) == (NS, b"x")
@@ -180,3 +189,28 @@ def test_scan_heavy_trace_never_worse_than_lru(tmp_path: Path) -> None:
 
 def test_selectable_by_name() -> None:
     assert isinstance(make_policy("prefix", 4), PrefixPolicy)
+
+
+def test_agent_learns_parents_from_store_requests(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: Callable[[AgentConfig], AgentProcess],
+) -> None:
+    agent = agent_factory(make_config(policy="prefix"))
+    with AgentClient(agent.config.endpoint) as client:
+        grant = client.allocate(NS, [key(0), key(1)], ROW)
+        client.commit(grant.lease)
+        assert client.stats()["tree"] is False  # no parents yet: ARC
+        grant = client.allocate(NS, [key(2), key(3)], ROW, [key(1), key(2)])
+        client.commit(grant.lease)
+        assert client.stats()["tree"] is True
+        with pytest.raises(AgentRefused):
+            client.allocate(NS, [key(4), key(5)], ROW, [key(3)])  # one parent for two keys
+        assert client.lookup(NS, [key(i) for i in range(4)]).prefix == 4
+
+
+def test_an_agent_reads_an_allocate_without_parents() -> None:
+    """A client that predates the field sends none; one that has it can talk to an agent
+    that predates it (msgspec ignores unknown fields)."""
+    old = msgspec.msgpack.encode({"type": "allocate", "namespace": NS, "keys": [b"k"], "nbytes": 1})
+    request = msgspec.msgpack.decode(old, type=p.Request)
+    assert isinstance(request, p.Allocate) and request.parents is None

@@ -229,3 +229,38 @@ def test_direct_mode_from_kv_transfer_params(
     finally:
         prefill.close()
         decode.close()
+
+
+def test_stores_name_each_chunks_predecessor(
+    agent_config: AgentConfig, agent_factory: StartAgent, engines: MakeEngine
+) -> None:
+    """From the end-token positions vLLM records per request: the chunk before each stored
+    one in the same request and KV group, also across lookups and earlier stores."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    agent_factory(agent_config)
+    tier = engines(agent_config).tier
+    assert isinstance(tier, KVTierSecondaryTier)
+
+    class Request:
+        req_id = "r1"
+
+        def __init__(self) -> None:
+            self.positions: dict[bytes, int] = {}
+
+        def get_offload_key_position(self, key: bytes) -> int | None:
+            return self.positions.get(bytes(key))
+
+    request = Request()
+    keys = [make_offload_key(b"h%d" % i, 0) for i in range(5)]
+    other_group = make_offload_key(b"h9", 1)
+    for i, k in enumerate(keys):
+        request.positions[bytes(k)] = 16 * (i + 1)
+    request.positions[bytes(other_group)] = 8
+    assert tier.parents_of([bytes(keys[0]), bytes(keys[1])], request) == [None, bytes(keys[0])]
+    # A later store of the same request: its first chunk follows the last one seen.
+    assert tier.parents_of([bytes(k) for k in keys[2:]], request) == [bytes(k) for k in keys[1:4]]
+    assert tier.parents_of([bytes(other_group)], request) is None
+    tier.on_request_finished(request)  # type: ignore[arg-type]
+    assert tier.parents_of([bytes(keys[3])], request) is None  # forgotten, nothing before
+    assert tier.parents_of([bytes(keys[4])], request) == [bytes(keys[3])]
