@@ -20,6 +20,8 @@ from kvtier.agent.index import HostIndex
 from kvtier.agent.policy import ARCPolicy, PrefixPolicy, make_policy
 from kvtier.agent.process import AgentProcess
 from kvtier.replay import load_trace, replay
+from kvtier.tracegen import multi_turn
+from kvtier.tracegen import write as write_trace
 from tests.conftest import ROW
 from tests.helpers import key
 
@@ -88,7 +90,7 @@ def test_evicted_chunk_that_returns_keeps_its_uses() -> None:
         policy.on_hit((NS, b"hot"))
     assert policy.evict(always) == (NS, b"x")
     assert policy.evict(always) == (NS, b"hot")
-    policy.on_insert((NS, b"hot"))  # back: 5 uses, 25 above the age
+    policy.on_insert((NS, b"hot"))  # back with its history: 5 uses
     policy.on_insert((NS, b"new"))
     assert policy.evict(always) == (NS, b"new")
 
@@ -214,3 +216,14 @@ def test_an_agent_reads_an_allocate_without_parents() -> None:
     old = msgspec.msgpack.encode({"type": "allocate", "namespace": NS, "keys": [b"k"], "nbytes": 1})
     request = msgspec.msgpack.decode(old, type=p.Request)
     assert isinstance(request, p.Allocate) and request.parents is None
+
+
+def test_multi_turn_chat_trace_never_worse_than_lru(tmp_path: Path) -> None:
+    records = multi_turn(seed=1, conversations=3000)
+    assert records == multi_turn(seed=1, conversations=3000)  # the seed fixes the trace
+    trace = load_trace(write_trace(records, tmp_path / "chats.jsonl"))
+    for blocks in (64, 256, 1024, 4096):
+        lru = replay(trace, "lru", blocks).hit_rate
+        prefix = replay(trace, "prefix", blocks).hit_rate
+        assert lru is not None and prefix is not None
+        assert prefix >= lru, (blocks, prefix, lru)

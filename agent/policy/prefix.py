@@ -7,15 +7,16 @@ keep the prefix tree of resident chunks and evict only leaves: a prefix is never
 while a longer chain that needs it stays behind.
 
 Among leaves it evicts the lowest priority, greedy-dual style (LFU with dynamic aging): a
-chunk's priority is the cache age at its last use plus the square of the number of uses it
-has had, and the age rises to each victim's priority. Chunks reused by many requests (system
-prompts, the heads of long conversations) outlive one-off prompts, and a chunk not used for a
-while ages out however often it was used before. (On the Mooncake conversation trace a chunk
-used once is used again in 26% of cases, one used six times in 88%; counting uses squared
-rather than linearly keeps those longer, which `kvtier replay` measured as the better
-trade-off from 32 to 512 GiB.) Use counts of evicted chunks are remembered for 16 times as
-many chunks as the pool holds, and at least 65,536: a prompt often comes back only after
-the pool has turned over several times, and its history is what tells it from a one-off.
+chunk's priority is the cache age at its last use plus the number of uses it has had, and
+the age rises to each victim's priority. Chunks reused by many requests (system prompts,
+the heads of long conversations) outlive one-off prompts, and a chunk not used for a while
+ages out however often it was used before. (On the Mooncake conversation trace a chunk used
+once is used again in 26% of cases, one used six times in 88%. Weighing uses more, e.g.
+squared, recovers more of that trace's hits at 32 and 128 GiB but keeps finished
+conversations too long on a multi-turn chat trace, where it then falls below LRU.) Use
+counts of evicted chunks are remembered for 16 times as many chunks as the pool holds, and
+at least 65,536: a prompt often comes back only after the pool has turned over several
+times, and its history is what tells it from a one-off.
 
 Until a store names a parent, the policy is ARC: an older plug-in that sends no parents
 gets exactly the `arc` policy. From the first parent on it keeps the tree (the chunks ARC
@@ -79,7 +80,7 @@ class PrefixPolicy(EvictionPolicy):
         if parent is not None and parent in self._priority:
             self._parent[chunk] = parent
             self._children[parent] = self._children.get(parent, 0) + 1
-        self._set(chunk, self.age + uses * uses)
+        self._set(chunk, self.age + uses)
 
     def on_hit(self, chunk: ChunkId) -> None:
         if self.arc is not None:
@@ -87,7 +88,7 @@ class PrefixPolicy(EvictionPolicy):
             return
         if chunk in self._priority:
             uses = self._uses[chunk] = self._uses[chunk] + 1
-            self._set(chunk, self.age + uses * uses)
+            self._set(chunk, self.age + uses)
 
     def on_remove(self, chunk: ChunkId) -> None:
         if self.arc is not None:
@@ -182,4 +183,4 @@ class PrefixPolicy(EvictionPolicy):
         for uses, chunks in ((1, arc.t1), (2, arc.t2)):
             for chunk in chunks:
                 self._uses[chunk] = uses
-                self._set(chunk, float(uses * uses))
+                self._set(chunk, float(uses))
