@@ -74,6 +74,12 @@ def peer_stats(client: AgentClient) -> dict[str, Any]:
     return stats
 
 
+def moved_chunks(client: AgentClient) -> int:
+    """Chunks that arrived from peers, over either data path."""
+    stats = peer_stats(client)
+    return int(stats.get("nixl_reads", 0)) + int(stats.get("zmq_reads", 0))
+
+
 def test_chunks_stored_on_one_node_are_loaded_on_another(
     make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
 ) -> None:
@@ -347,7 +353,7 @@ def test_nodes_with_their_own_addresses_share_through_the_directory(
             wait_for(lambda: consumer.lookup(NS, [key(i) for i in ids]).prefix == len(ids))
             assert load_exact(consumer, ids) == [True] * len(ids)
             stats = peer_stats(consumer)
-            assert stats.get("nixl_reads", 0) + stats.get("zmq_reads", 0) == len(ids)
+            assert moved_chunks(consumer) == len(ids)
             assert stats.get("read_errors", 0) == 0
             assert sorted(consumer.stats()["peers"]) == endpoints[:2]
 
@@ -412,9 +418,10 @@ def test_a_chunk_damaged_in_the_holders_pool_is_never_served_by_a_peer(
     scratch: Path,
     data_path: str,
 ) -> None:
-    """One byte of a sealed chunk flips in the holder's memory: the asker verifies what
-    arrives, counts it corrupt and serves a miss (the intact neighbours arrive), and tells
-    the holder, which checks its copy and drops it."""
+    """One byte of a sealed chunk flips in the holder's memory: the holder checks every
+    chunk against its checksum before lending it, so it never lends that one (counted
+    corrupt, dropped); the asker serves a miss for it and the intact neighbour arrives. (A
+    chunk damaged on the way is caught by the asker's own check of what arrives.)"""
     holder = agent_factory(
         node_config(make_config, scratch, "holder", None, "reg-holder", **paced(data_path))
     )
@@ -430,12 +437,11 @@ def test_a_chunk_damaged_in_the_holders_pool_is_never_served_by_a_peer(
         assert load_exact(asker, [0]) == [True]  # the connection to the holder is up
         pool = PoolMap.open(holder.config.pool_path, populate=False)
         pool.payload(find_slot(holder.config.pool_path, key(1)))[ROW // 3] ^= 0xFF
-        before = peer_stats(asker).get(f"{data_path}_reads", 0)
+        before = moved_chunks(asker)
         outs = [np.zeros(ROW, np.uint8) for _ in range(2)]
         assert asker.load_into(NS, keys[1:], outs) == [False, True]
         assert np.array_equal(outs[1], row(2, ROW))
-        stats = peer_stats(asker)
-        assert stats["corrupt"] == 1 and stats[f"{data_path}_reads"] == before + 1
+        assert moved_chunks(asker) == before + 1  # over NIXL, or ZMQ while NIXL connects
         # Nothing damaged entered the asker's pool, and told of it, the holder checked its
         # copy and dropped it: no client of either node is served the bad bytes.
         assert asker.lookup(NS, keys).where == [0, -1, 0]
