@@ -48,8 +48,12 @@ def build_report(stats: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         }
     ]
     secondary_hits = 0
+    unhealthy = []
     for tier in stats.get("tiers", []):
         secondary_hits += int(tier.get("hits", 0))
+        healthy = bool(tier.get("healthy", True))
+        if not healthy:
+            unhealthy.append(tier["name"])
         tiers.append(
             {
                 "name": tier["name"],
@@ -58,6 +62,7 @@ def build_report(stats: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
                 "chunks": tier["chunks"],
                 "hits": tier.get("hits", 0),
                 "misses": tier.get("misses", 0),
+                "healthy": healthy,
             }
         )
     lookups, hits = int(stats["lookups"]), int(stats["hits"]) + secondary_hits
@@ -69,12 +74,28 @@ def build_report(stats: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         "hits": hits,
         "peers": stats.get("peers", []),
         "fingerprints": sorted(stats.get("namespaces", {})),
+        "conditions": [tiers_healthy(unhealthy)],
         "summary": {
             "host": f"{stats['used_bytes'] >> 20}Mi/{stats['capacity_bytes'] >> 20}Mi",
             "hitRate": f"{hits / lookups:.0%}" if lookups else "-",
             "peers": len(stats.get("peers", [])),
         },
     }
+
+
+def tiers_healthy(unhealthy: list[str]) -> dict[str, str]:
+    """The node's TiersHealthy condition: False naming the secondary tiers it skips."""
+    condition = {
+        "type": "TiersHealthy",
+        "status": "False" if unhealthy else "True",
+        "reason": "TierFailing" if unhealthy else "AllHealthy",
+        "message": (
+            f"skipped until a probe succeeds: {', '.join(unhealthy)}"
+            if unhealthy
+            else "every tier answers"
+        ),
+    }
+    return condition
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,13 @@ def aggregate(
     peers: set[str] = set()
     fingerprints: set[str] = set()
     tiers: dict[str, dict[str, int]] = {}
+    failing: list[str] = []  # "node: the nodes' TiersHealthy message"
     for node in nodes:
         status = node.get("status") or {}
+        for condition in status.get("conditions") or []:
+            if condition.get("type") == "TiersHealthy" and condition.get("status") == "False":
+                where = (node.get("spec") or {}).get("node", "?")
+                failing.append(f"{where}: {condition.get('message', '')}")
         beat = _parse_time(status.get("heartbeat"))
         if beat is not None and (now - beat).total_seconds() <= heartbeat_timeout:
             ready += 1
@@ -107,6 +112,15 @@ def aggregate(
             stamp,
         ),
     ]
+    conditions.append(
+        _condition(
+            "TiersHealthy",
+            not failing,
+            "TierFailing" if failing else "AllHealthy",
+            "; ".join(sorted(failing)),
+            stamp,
+        )
+    )
     conditions.append(
         _condition(
             "Ready",

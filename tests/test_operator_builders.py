@@ -188,6 +188,7 @@ def test_status_aggregates_nodes_and_conditions() -> None:
         "ConfigValid": "True",
         "AgentsReady": "False",
         "FingerprintConflict": "False",
+        "TiersHealthy": "True",
         "Ready": "False",
     }
 

@@ -46,6 +46,34 @@ def test_report_from_stats() -> None:
     with_peers = build_report({**STATS, "peers": ["tcp://10.0.0.2:5557"]}, dt.datetime.now(dt.UTC))
     assert with_peers["peers"] == ["tcp://10.0.0.2:5557"] and with_peers["summary"]["peers"] == 1
     assert report["fingerprints"] == ["llama-3-8b-aa", "qwen-bb"]
+    assert report["conditions"][0]["type"] == "TiersHealthy"
+    assert report["conditions"][0]["status"] == "True" and report["tiers"][1]["healthy"]
+
+
+def test_an_unhealthy_tier_is_a_false_condition_of_the_node_and_of_the_tier() -> None:
+    """A tier the agent skips (its operations kept failing) shows on the KVCacheNode and,
+    aggregated, on the KVCacheTier, naming node and tier."""
+    from kvtier.operator.status import aggregate
+    from tests.apiserver_rules import admit, load_crd
+
+    failing = {**STATS, "tiers": [{**STATS["tiers"][0], "healthy": False}]}
+    now = dt.datetime.now(dt.UTC)
+    report = build_report(failing, now)
+    (condition,) = report["conditions"]
+    assert condition["status"] == "False" and "shared-fs" in condition["message"]
+    assert report["tiers"][1]["healthy"] is False
+    node = {
+        "apiVersion": "kvtier.io/v1alpha1",
+        "kind": "KVCacheNode",
+        "metadata": {"name": "llama-gpu-1", "namespace": "inference"},
+        "spec": {"tier": "llama", "node": "gpu-1"},
+        "status": report,
+    }
+    assert admit(load_crd("kvcachenode.yaml"), node)[1] == []  # the CRD keeps the fields
+    tier_conditions = {c["type"]: c for c in aggregate([node], 1, now, 60)["conditions"]}
+    assert tier_conditions["TiersHealthy"]["status"] == "False"
+    assert "gpu-1" in tier_conditions["TiersHealthy"]["message"]
+    assert "shared-fs" in tier_conditions["TiersHealthy"]["message"]
 
 
 def run_reporter(tmp_path: Path, collect: Any, seconds: float) -> tuple[int, dict[str, Any]]:
