@@ -328,6 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per hash id for records without block_size (default 512)",
     )
     replay.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    replay.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="draw hit rate against capacity, one line per policy, the optimal bound shaded",
+    )
     replay.add_argument("--json", action="store_true", help="print the report as JSON")
     replay.set_defaults(func=_replay)
     return parser

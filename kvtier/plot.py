@@ -1,8 +1,10 @@
-"""The demo's picture: cumulative hit rate by tier and occupancy, turn by turn."""
+"""Pictures: the demo's cumulative hit rate by tier and occupancy, turn by turn; the replay's
+hit rate against capacity."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 def plot_demo(timeline: list[dict[str, float]], path: Path) -> None:
@@ -41,6 +43,48 @@ def plot_demo(timeline: list[dict[str, float]], path: Path) -> None:
     occupancy.set_xlabel("turns completed (all clients)")
     lines = occupancy.get_legend_handles_labels()[0] + fs_axis.get_legend_handles_labels()[0]
     occupancy.legend(lines, [str(line.get_label()) for line in lines], loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_replay(report: dict[str, Any], path: Path) -> None:
+    """Hit rate against capacity, one line per policy; the region up to the optimal bound
+    shaded. Underfilled capacities are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["budgets"] if not r["underfilled"]]
+    blocks = [r["blocks"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for policy in report["policies"]:
+        points = [(r["blocks"], r[policy]) for r in rows if r[policy] is not None]
+        if not points:
+            continue
+        xs, ys = zip(*points, strict=True)
+        if policy == "optimal":
+            ax.fill_between(xs, [100 * y for y in ys], color="#cccccc", alpha=0.5)
+            ax.plot(xs, [100 * y for y in ys], color="#777777", ls="--", label="optimal bound")
+        else:
+            ax.plot(xs, [100 * y for y in ys], marker="o", label=policy)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(
+        blocks,
+        [
+            f"{r['blocks']:,} blocks"
+            if r["capacity"] == str(r["blocks"])
+            else f"{r['capacity']}\n{r['blocks']:,} blocks"
+            for r in rows
+        ],
+    )
+    ax.set_ylabel("hit rate (prompt tokens, up to the first miss) %")
+    ax.set_xlabel("host pool capacity")
+    ax.set_ylim(bottom=0)
+    t = report["trace"]
+    ax.set_title(f"kvtier replay: {t['requests']:,} requests, {t['block_size']}-token blocks")
+    ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -441,6 +441,10 @@ def main(args: Any) -> int:
         report = run(trace, sizes, policies, progress=lambda n: bar.advance(task, n))
     if block_bytes:
         report["block_bytes"] = block_bytes
+    if args.plot is not None:
+        from kvtier.plot import plot_replay
+
+        plot_replay(report, args.plot)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

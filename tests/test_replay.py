@@ -167,3 +167,13 @@ def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", str(path), "--blocks", "3", "--policy", "lru,arc"]) == 0
     out = capsys.readouterr().out
     assert "lru" in out and "arc gap closed" not in out  # no optimal, no gap
+
+
+def test_cli_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    records = [{"input_length": 1024, "hash_ids": [1, r % 5]} for r in range(60)]
+    path = write_trace(tmp_path / "t.jsonl", records)
+    out = tmp_path / "replay.png"
+    argv = ["replay", str(path), "--blocks", "3,4", "--policy", "lru,optimal", "--json"]
+    assert main([*argv, "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(capsys.readouterr().out)["budgets"][1]["blocks"] == 4
