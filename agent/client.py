@@ -244,8 +244,15 @@ class AgentClient:
         pool = self.pool
         return pool is not None and pool.generation(grant.slots[i]) == grant.generations[i]
 
-    def store(self, namespace: str, keys: Sequence[bytes], rows: Sequence[Any]) -> StoreResult:
-        """Store rows (buffers of equal size) under keys: allocate, copy, commit.
+    def store(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        rows: Sequence[Any],
+        parents: Sequence[bytes | None] | None = None,
+    ) -> StoreResult:
+        """Store rows (buffers of equal size) under keys: allocate, copy, commit. `parents`
+        as for `allocate`.
 
         Keys the agent already holds are skipped without copying. Each slot's generation is
         checked before it is written: a lease that expired meanwhile raises LeaseLost
@@ -259,7 +266,7 @@ class AgentClient:
         nbytes = views[0].nbytes
         if any(v.nbytes != nbytes for v in views):
             raise ValueError("store needs rows of equal size")
-        grant = self.allocate(namespace, keys, nbytes)
+        grant = self.allocate(namespace, keys, nbytes, parents)
         if grant.lease == 0:
             return StoreResult(0, len(keys))
         try:

@@ -329,6 +329,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--limit", type=int, default=None, help="replay the first N requests")
     replay.add_argument(
+        "--agent",
+        default=None,
+        metavar="ADDR",
+        help="replay against this live agent (its pool, policy and tiers) with real chunk "
+        "bytes, instead of the index at each capacity",
+    )
+    replay.add_argument(
+        "--chunk-bytes", default="64Ki", help="row size with --agent (the agent's chunkBytes)"
+    )
+    replay.add_argument(
+        "--namespace", default=None, help="namespace with --agent (default: a fresh one)"
+    )
+    replay.add_argument(
         "--plot",
         type=Path,
         default=None,

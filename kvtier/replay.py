@@ -26,6 +26,7 @@ from __future__ import annotations
 import gzip
 import heapq
 import json
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -371,6 +372,78 @@ def run(
     }
 
 
+def replay_agent(
+    trace: Trace,
+    endpoint: str,
+    chunk_bytes: int,
+    namespace: str | None = None,
+    warmup_fraction: float = 0.5,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Replay `trace` against a live agent with real chunk bytes: per request a lookup, a
+    load of the hit prefix (each row checked against the bytes stored under its key), and a
+    store of the rest naming each chunk's parent. The pool size, policy and secondary tiers
+    are the agent's own; hits are counted by the tier that held them. A fresh namespace by
+    default, so chunks of an earlier run are no hits."""
+    import numpy as np
+
+    from kvtier.agent.client import AgentClient
+    from kvtier.workload import row_for
+
+    namespace = namespace or f"kvtier-replay-{secrets.token_hex(4)}"
+    warmup = int(trace.requests * warmup_fraction)
+    hit_tokens = prompt_tokens = hit_blocks = looked_up = wrong = 0
+    by_tier: dict[str, int] = {}
+    began = time.perf_counter()
+    with AgentClient(endpoint) as client:
+        names = ["host", *client.tiers]
+        for r in range(trace.requests):
+            start, end = trace.starts[r], trace.starts[r + 1]
+            keys = [trace.keys[n] for n in trace.nodes[start:end]]
+            found = client.lookup(namespace, keys)
+            prefix = found.prefix
+            if prefix:
+                outs = [np.empty(chunk_bytes, np.uint8) for _ in range(prefix)]
+                copied = client.load_into(namespace, keys[:prefix], outs)
+                loaded = copied.index(False) if False in copied else prefix
+                wrong += sum(
+                    1
+                    for k, out in zip(keys[:loaded], outs, strict=False)
+                    if not np.array_equal(out, row_for(k, chunk_bytes))
+                )
+                prefix = loaded
+            if r >= warmup:
+                prompt_tokens += sum(trace.tokens[start:end])
+                hit_tokens += sum(trace.tokens[start : start + prefix])
+                hit_blocks += sum(found.hits)
+                looked_up += end - start
+                for i in range(prefix):
+                    tier = names[found.where[i]] if found.where else "host"
+                    by_tier[tier] = by_tier.get(tier, 0) + trace.tokens[start + i]
+            if prefix < len(keys):
+                rest = keys[prefix:]
+                parents = [keys[prefix - 1] if prefix else None, *keys[prefix:-1]]
+                client.store(namespace, rest, [row_for(k, chunk_bytes) for k in rest], parents)
+            if progress is not None and r % 256 == 255:
+                progress(256)
+        stats = client.stats()
+    elapsed = time.perf_counter() - began
+    return {
+        "agent": endpoint,
+        "namespace": namespace,
+        "chunk_bytes": chunk_bytes,
+        "policy": stats.get("policy"),
+        "slots": stats.get("slots"),
+        "trace": {"requests": trace.requests, "measured_from_request": warmup},
+        "hit_rate": hit_tokens / prompt_tokens if prompt_tokens else None,
+        "block_hit_rate": hit_blocks / looked_up if looked_up else None,
+        "hit_tokens_by_tier": by_tier,
+        "prefill_tokens_saved": hit_tokens,
+        "wrong_rows": wrong,
+        "requests_per_s": trace.requests / elapsed if elapsed > 0 else None,
+    }
+
+
 def _percent(value: float | None) -> str:
     return "underfilled" if value is None else f"{100 * value:.1f}%"
 
@@ -418,6 +491,8 @@ def main(args: Any) -> int:
         err.print(f"unknown policy {', '.join(unknown)}; use {', '.join(REPLAY_POLICIES)}")
         return 2
     block_bytes = parse_bytes(args.block_bytes) if args.block_bytes else None
+    if args.agent:
+        return _main_agent(args, err)
     try:
         trace = load_trace(args.trace, args.block_size, args.limit)
         if block_bytes is None and args.bytes_per_token:
@@ -453,3 +528,32 @@ def main(args: Any) -> int:
         if block_bytes:
             out.print(f"block = {format_bytes(block_bytes)}")
     return 0
+
+
+def _main_agent(args: Any, err: Any) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvtier.agent.client import AgentUnavailable
+
+    try:
+        trace = load_trace(args.trace, args.block_size, args.limit)
+        report = replay_agent(trace, args.agent, parse_bytes(args.chunk_bytes), args.namespace)
+    except (OSError, ValueError, AgentUnavailable) as exc:
+        err.print(str(exc))
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        table = Table(title=f"{trace.requests:,} requests against {args.agent}")
+        table.add_column("")
+        table.add_column("", justify="right")
+        table.add_row("policy, slots", f"{report['policy']}, {report['slots']:,}")
+        table.add_row("hit rate (prompt tokens)", _percent(report["hit_rate"]))
+        table.add_row("block hit rate", _percent(report["block_hit_rate"]))
+        for tier, tokens in report["hit_tokens_by_tier"].items():
+            table.add_row(f"hit tokens from {tier}", f"{tokens:,}")
+        table.add_row("rows with wrong bytes", str(report["wrong_rows"]))
+        table.add_row("requests/s", f"{report['requests_per_s']:,.0f}")
+        Console().print(table)
+    return 1 if report["wrong_rows"] else 0

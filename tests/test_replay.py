@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from kvtier.agent.config import AgentConfig
 from kvtier.agent.index import HostIndex
+from kvtier.agent.process import AgentProcess
 from kvtier.cli import main
-from kvtier.replay import BeladyPolicy, Budget, budgets, load_trace, replay, run
+from kvtier.replay import BeladyPolicy, Budget, budgets, load_trace, replay, replay_agent, run
+from kvtier.tracegen import multi_turn
+from tests.conftest import ROW
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} is not here")
@@ -177,3 +182,27 @@ def test_cli_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(capsys.readouterr().out)["budgets"][1]["blocks"] == 4
+
+
+def test_replay_against_a_live_agent(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: Callable[[AgentConfig], AgentProcess],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """64 slots under a multi-turn chat trace: real rows stored, loaded and checked."""
+    agent = agent_factory(make_config(policy="prefix"))
+    path = write_trace(tmp_path / "chats.jsonl", multi_turn(seed=2, conversations=80))
+    trace = load_trace(path)
+    report = replay_agent(trace, agent.config.endpoint, ROW)
+    assert report["wrong_rows"] == 0
+    assert report["policy"] == "prefix" and report["slots"] == 64
+    assert report["hit_rate"] is not None and report["hit_rate"] > 0
+    assert sum(report["hit_tokens_by_tier"].values()) == report["prefill_tokens_saved"]
+    assert set(report["hit_tokens_by_tier"]) <= {"host"}
+
+    argv = ["replay", str(path), "--agent", agent.config.endpoint, "--chunk-bytes", str(ROW)]
+    assert main([*argv, "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["namespace"] != report["namespace"]  # a fresh namespace: no stale hits
+    assert again["hit_rate"] == pytest.approx(report["hit_rate"], abs=0.05)
