@@ -17,8 +17,8 @@ from kvtier.replay import BeladyPolicy, Budget, budgets, load_trace, replay, rep
 from kvtier.tracegen import multi_turn
 from tests.conftest import ROW
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
-needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} is not here")
+# The first 3,000 requests of the Mooncake conversation trace (see tests/data/README.md).
+TRACE_SLICE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_3000.jsonl.gz"
 
 
 def write_trace(path: Path, records: list[dict[str, object]]) -> Path:
@@ -30,22 +30,23 @@ def write_trace(path: Path, records: list[dict[str, object]]) -> Path:
     return path
 
 
-@needs_trace
 @pytest.mark.parametrize("blocks", [128, 512])
 @pytest.mark.parametrize("policy", ["lru", "optimal"])
-def test_agrees_with_kvcache_simulator(policy: str, blocks: int) -> None:
-    sim_trace = pytest.importorskip("kvcache_sim.trace")
+def test_agrees_with_kvcache_simulator(policy: str, blocks: int, tmp_path: Path) -> None:
+    from kvcache_sim import trace as sim_trace
     from kvcache_sim.plan import build_execution_plan
     from kvcache_sim.policies import simulate_policy
 
     requests = 3000
+    plain = tmp_path / "trace.jsonl"  # kvcache-simulator reads plain JSONL only
+    plain.write_bytes(gzip.decompress(TRACE_SLICE.read_bytes()))
     plan = build_execution_plan(
-        sim_trace.parse_trace_file(TRACE, block_size=512, max_records=requests)
+        sim_trace.parse_trace_file(plain, block_size=512, max_records=requests)
     )
     reference = simulate_policy(plan, policy, blocks)
     assert reference.measurementMode == "fixed_window"
 
-    result = replay(load_trace(TRACE, 512, requests), policy, blocks)
+    result = replay(load_trace(TRACE_SLICE, 512, requests), policy, blocks)
     assert result.hit_rate is not None
     assert result.prompt_tokens == reference.totalTokens
     assert abs(result.hit_rate - reference.hitRate) <= 0.005, (result.hit_rate, reference)
