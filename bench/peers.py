@@ -78,7 +78,8 @@ def measure(
     round is compared with its own baseline); then remote lookup latencies (µs) and the
     peer tier's stats."""
     a = node(scratch, f"{data_path}-a", row, chunks * (rounds + 1) + 8, data_path)
-    b = node(scratch, f"{data_path}-b", row, chunks + 8, data_path)
+    # One request promotes at most a quarter of the pool (a slow tier cannot drain it).
+    b = node(scratch, f"{data_path}-b", row, 4 * chunks + 8, data_path)
     kv, raw, latencies = [], [], []
     with (
         AgentProcess(a),
