@@ -20,7 +20,6 @@ from lightkube.types import OnErrorAction, OnErrorResult
 
 GROUP = "kvtier.io"
 VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
 FIELD_MANAGER = "kvtier-operator"  # the operator's server-side apply identity
 
 KVCacheTier = create_namespaced_resource(GROUP, VERSION, "KVCacheTier", "kvcachetiers")
@@ -31,7 +30,6 @@ Manifest = dict[str, Any]
 logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 __all__ = [
-    "API_VERSION",
     "FIELD_MANAGER",
     "ApiError",
     "AsyncClient",
