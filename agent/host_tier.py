@@ -180,11 +180,9 @@ class HostTier:
                 self.index.get(namespace, k) if s >= 0 else None
                 for k, s in zip(keys, slots, strict=True)
             ]
+            nbytes = self.index.lease_bytes(lease)
         sealed = [(i, e) for i, e in enumerate(lent) if e is not None and e.checksum is not None]
-        digests = self._verifier.map(lambda e: checksum(self.payload(e)), [e for _, e in sealed])
-        altered = {
-            i for (i, e), digest in zip(sealed, digests, strict=True) if digest != e.checksum
-        }
+        altered = {i for part in self._verifier.map(self._altered, _split(sealed)) for i in part}
         if altered:
             with self.lock:
                 self.index.end_load(lease, client)
@@ -197,11 +195,10 @@ class HostTier:
                 lease, kept_slots, kept_generations = self.index.begin_load(
                     client, namespace, kept, deadline
                 )
+                nbytes = self.index.lease_bytes(lease)
             granted = iter(zip(kept_slots, kept_generations, strict=True))
             pairs = [(MISS, 0) if i in altered else next(granted) for i in range(len(keys))]
             slots, generations = [s for s, _ in pairs], [g for _, g in pairs]
-        with self.lock:
-            nbytes = self.index.lease_bytes(lease)
         self._load_bytes.inc(nbytes)
         return lease, slots, generations
 
@@ -295,19 +292,17 @@ class HostTier:
     def reverify(self, namespace: str, keys: list[bytes]) -> int:
         """Check these chunks against their checksums again (a peer received one damaged)
         and drop those that fail, so no client is served them; returns how many went."""
-        dropped = 0
         with self.lock:
-            for key in keys:
-                entry = self.index.get(namespace, key)
-                if entry is None or entry.checksum is None:
-                    continue
-                if checksum(self.payload(entry)) != entry.checksum:
-                    self.index.remove(entry)
-                    self.metrics.corrupt.labels("host").inc()
-                    dropped += 1
-        if dropped:
-            log.warning("dropped %d damaged chunks a peer reported", dropped)
-        return dropped
+            held = [self.index.get(namespace, key) for key in keys]
+            sealed = [
+                (i, e) for i, e in enumerate(held) if e is not None and e.checksum is not None
+            ]
+            damaged = [held[i] for i in self._altered(sealed)]
+            for entry in damaged:
+                assert entry is not None
+                self.index.remove(entry)
+                self._count_corrupt(f"slot {entry.slot} of {namespace}: a peer received it damaged")
+        return len(damaged)
 
     def missing(self, namespace: str, keys: list[bytes]) -> list[bytes]:
         with self.lock:
@@ -399,6 +394,6 @@ class HostTier:
 
 
 def _split(items: list[tuple[int, Entry]]) -> list[list[tuple[int, Entry]]]:
-    """One contiguous share per core: a task per chunk would cost more than small checksums."""
+    """One share per core: a task per chunk would cost more than checking a small chunk."""
     parts = min(len(items), os.cpu_count() or 1)
     return [items[i::parts] for i in range(parts)] if parts else []
