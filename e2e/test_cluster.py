@@ -36,7 +36,15 @@ from lightkube.resources.apps_v1 import DaemonSet
 from lightkube.resources.core_v1 import ConfigMap, Namespace
 from lightkube.types import PatchType
 
-from kvtier.kube import FIELD_MANAGER, ApiError, KVCacheNode, KVCacheTier, as_dict, to_object
+from kvtier.kube import (
+    FIELD_MANAGER,
+    ApiError,
+    KVCacheNode,
+    KVCacheTier,
+    as_dict,
+    resource_of,
+    to_object,
+)
 from tests.apiserver_rules import admit, load_crd
 from tests.kube_api import KubeAPI
 from tests.operator_process import running_operator, wait_for
@@ -211,8 +219,6 @@ def test_children_are_created_and_owned(cluster: Cluster, tier: dict[str, Any]) 
         ("RoleBinding", "rbac.authorization.k8s.io/v1"),
         ("DaemonSet", "apps/v1"),
     ):
-        from kvtier.kube import resource_of
-
         child = wait_for(lambda k=kind, v=api_version: get(cluster, resource_of(v, k), AGENT))
         (owner,) = child["metadata"]["ownerReferences"]
         assert owner["uid"] == uid and owner["controller"] is True, kind

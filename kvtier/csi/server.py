@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -104,7 +103,6 @@ class NodePlugin:
         self.node_id = node_id
         self.volumes = volumes
         self.tiers = tiers
-        self.publish_seconds: list[float] = []
 
     # Identity
     def GetPluginInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -118,7 +116,6 @@ class NodePlugin:
 
     # Node
     def NodePublishVolume(self, request: Any, context: grpc.ServicerContext) -> Any:
-        started = time.perf_counter()
         volume_context = dict(request.volume_context)
         if not request.target_path:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "target_path is required")
@@ -128,7 +125,6 @@ class NodePlugin:
             )
         volume = tier_volume(self.tiers, volume_context)
         self.volumes.publish(volume, Path(request.target_path), request.readonly)
-        self.publish_seconds.append(time.perf_counter() - started)
         log.info(
             "published %s to %s for %s",
             volume.name,
