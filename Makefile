@@ -79,6 +79,7 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/kvtier bench tiers
 	$(VENV)/bin/kvtier bench peers
 	$(VENV)/bin/kvtier bench vllm
+	$(VENV)/bin/kvtier bench csi
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .scratch build *.egg-info
