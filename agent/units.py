@@ -24,22 +24,10 @@ import re
 from fractions import Fraction
 
 _MULTIPLIERS: dict[str, Fraction] = {
+    **{prefix: Fraction(10) ** (-3 * (3 - n)) for n, prefix in enumerate("num")},
     "": Fraction(1),
-    "n": Fraction(1, 10**9),
-    "u": Fraction(1, 10**6),
-    "m": Fraction(1, 10**3),
-    "k": Fraction(10**3),
-    "M": Fraction(10**6),
-    "G": Fraction(10**9),
-    "T": Fraction(10**12),
-    "P": Fraction(10**15),
-    "E": Fraction(10**18),
-    "Ki": Fraction(2**10),
-    "Mi": Fraction(2**20),
-    "Gi": Fraction(2**30),
-    "Ti": Fraction(2**40),
-    "Pi": Fraction(2**50),
-    "Ei": Fraction(2**60),
+    **{prefix: Fraction(10) ** (3 * (n + 1)) for n, prefix in enumerate("kMGTPE")},
+    **{f"{prefix}i": Fraction(2) ** (10 * (n + 1)) for n, prefix in enumerate("KMGTPE")},
 }
 _QUANTITY = re.compile(
     r"(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
