@@ -101,7 +101,16 @@ class Events(msgspec.Struct, tag="events"):
     after: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 
 
-Request = Hello | Lookup | Allocate | Commit | Abort | BeginLoad | EndLoad | Stats | Events
+class AccessLog(msgspec.Struct, tag="access_log"):
+    """A page of the agent's access log: requests logged after sequence `after`
+    (access_log.py; `kvtier trace` pages through it)."""
+
+    after: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+Request = (
+    Hello | Lookup | Allocate | Commit | Abort | BeginLoad | EndLoad | Stats | Events | AccessLog
+)
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply"):
@@ -154,6 +163,24 @@ class EventsReply(msgspec.Struct, tag="events_reply"):
     truncated: bool
 
 
+class LoggedRequest(msgspec.Struct, array_like=True):
+    seq: int
+    time: float  # seconds since the epoch
+    ids: list[int]  # the keys' 64-bit digests, in request order
+    hits: int
+
+
+class AccessLogReply(msgspec.Struct, tag="access_log_reply"):
+    """`next`: the sequence to ask after for the following page; `dropped`: sampled requests
+    the bounded log has let go since the agent started."""
+
+    requests: list[LoggedRequest]
+    next: int
+    more: bool
+    sample_rate: float
+    dropped: int
+
+
 class ErrorReply(msgspec.Struct, tag="error"):
     message: str
     code: str = INVALID
@@ -167,7 +194,16 @@ def check(request: Request) -> None:
         raise ValueError(f"namespace is longer than {MAX_NAMESPACE_BYTES} bytes")
 
 
-Reply = HelloReply | LookupReply | LeaseReply | Ack | StatsReply | EventsReply | ErrorReply
+Reply = (
+    HelloReply
+    | LookupReply
+    | LeaseReply
+    | Ack
+    | StatsReply
+    | EventsReply
+    | AccessLogReply
+    | ErrorReply
+)
 
 _encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)

@@ -30,6 +30,7 @@ import zmq
 
 import kvtier
 from kvtier.agent import protocol as p
+from kvtier.agent.access_log import AccessLog
 from kvtier.agent.config import AgentConfig, check_runtime
 from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import LeaseError
@@ -94,6 +95,7 @@ class Agent:
             else None
         )
         self.clients = ClientRegistry(config.run_dir / "clients")
+        self.access_log = AccessLog()  # what `kvtier trace` exports
         self._sessions: dict[bytes, str] = {}  # connection identity -> client id
         self.stopping = threading.Event()
         self.metrics_port: int | None = None
@@ -254,6 +256,7 @@ class Agent:
         match request:
             case p.Lookup(namespace, keys, source):
                 hits, prefix = host.lookup(namespace, keys)
+                self.access_log.record_request(namespace, keys, hits)
                 if self.tiers is not None and prefix < len(keys):
                     return lambda: self._lookup_tiers(namespace, keys, hits, source, deadline)
                 return p.LookupReply(hits, prefix, [0 if h else MISS for h in hits])
@@ -283,6 +286,8 @@ class Agent:
                 return p.EventsReply(batch.seq, batch.stored, batch.evicted, batch.truncated)
             case p.Stats():
                 return p.StatsReply(self.stats())
+            case p.AccessLog(after):
+                return self.access_log.reply(after)
         return p.Ack()
 
     def _ask_source(self, source: str, namespace: str, keys: list[bytes]) -> None:

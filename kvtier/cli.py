@@ -144,6 +144,18 @@ def _replay(args: argparse.Namespace) -> int:
     return replay_main(args)
 
 
+def _trace(args: argparse.Namespace) -> int:
+    from kvtier.trace import main as trace_main
+
+    return trace_main(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kvtier.plan import main as plan_main
+
+    return plan_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtier",
@@ -350,6 +362,67 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--json", action="store_true", help="print the report as JSON")
     replay.set_defaults(func=_replay)
+
+    trace = sub.add_parser(
+        "trace",
+        help="export an agent's access log as a Mooncake-format trace",
+        description="Export the requests the agent's access log holds (key digests renumbered, "
+        "timestamps, no content) as JSONL that kvtier replay and kvtier plan read. Talks to "
+        "the agent's local socket only; kubectl kvtier trace runs it in the agent's pod.",
+    )
+    where = trace.add_mutually_exclusive_group(required=True)
+    where.add_argument("--agent", default=None, metavar="ADDR", help="ipc://PATH of the agent")
+    where.add_argument("--config", type=Path, default=None, help="the agent's config YAML")
+    trace.add_argument(
+        "-o", "--output", default="-", help="JSONL file (.gz: gzip), - for stdout (default)"
+    )
+    trace.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per chunk, for input_length (vLLM's offloading block size; default 16)",
+    )
+    trace.add_argument("--timeout", type=float, default=10.0, help="seconds per agent call")
+    trace.set_defaults(func=_trace)
+
+    plan = sub.add_parser(
+        "plan",
+        help="recommend host and secondary-tier capacity from a trace",
+        description="Replay a trace (a file, or an agent's export) at capacities from one "
+        "chunk to the trace's whole working set, print the hit-rate curve and its knee, and "
+        "recommend host capacity per node and secondary-tier capacity for a target hit rate "
+        "or a memory budget.",
+    )
+    plan.add_argument("trace", type=Path, help="trace file (.jsonl or .jsonl.gz)")
+    goal = plan.add_mutually_exclusive_group()
+    goal.add_argument(
+        "--target-hit-rate", type=float, default=None, help="e.g. 0.3 (hit prompt tokens)"
+    )
+    goal.add_argument("--memory-budget", default=None, help="host bytes per node, e.g. 256Gi")
+    plan.add_argument(
+        "--block-bytes",
+        default=None,
+        help="bytes of one chunk (default: the export's chunk_bytes; 64Mi for 512-token "
+        "Llama-3.1-8B blocks)",
+    )
+    plan.add_argument(
+        "--bytes-per-token", default=None, help="a model's KV bytes per token (128Ki: Llama-3.1-8B)"
+    )
+    plan.add_argument(
+        "--policy", default="prefix", help="the host tier's policy (lru, arc, prefix)"
+    )
+    plan.add_argument("--points", type=int, default=12, help="capacities on the curve")
+    plan.add_argument(
+        "--sample-rate",
+        type=float,
+        default=None,
+        help="the trace's sampling of requests (default: the export's, else 1)",
+    )
+    plan.add_argument("--block-size", type=int, default=None, help="as for kvtier replay")
+    plan.add_argument("--limit", type=int, default=None, help="the first N requests")
+    plan.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="draw the curve")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=_plan)
     return parser
 
 

@@ -1,0 +1,179 @@
+"""The agent's access log: which chunks each request asked for, so a tier can be sized from
+its own traffic (`kvtier trace` exports it, `kvtier plan` reads it).
+
+What is kept is the least a replay needs and nothing that reveals a prompt: per request its
+arrival time, how many of its chunks the pool held, and its chunk keys as 64-bit digests
+keyed with a secret drawn when the agent starts (so equal keys are equal ids within one
+agent's log, and the ids cannot be matched against keys seen anywhere else). vLLM's keys are
+already chained hashes of token ids; the digest also hides the namespace, which names the
+model. The export renumbers the digests in order of first appearance, as Mooncake's traces
+do, so what leaves the node is only the reuse structure.
+
+Requests are sampled whole, never chunk by chunk: a replay counts a request's hits up to its
+first miss, so a request missing half its keys would be a different request. The choice is
+made on the digest of the request's first chunk (spatial sampling, as in SHARDS): requests
+that start with the same chunk are all kept or all dropped, so the reuse among the ones kept
+is the real reuse, and a cache of capacity C for the whole traffic behaves like a cache of
+rate x C for the sample (`kvtier plan` scales capacities by the rate it reads from the
+export). With one system prompt in front of every request, sample at 1 (the default).
+
+The log is bounded by the number of keys it holds; the oldest requests are dropped first and
+counted, so an export says how much it lost. Recording a request is O(its keys) and takes
+the log's own lock, never the index's: callers are the agent's request loop today, and
+batched reports of lookups answered elsewhere later (`record_request` is the whole API).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+import time
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.agent import protocol as p
+
+DEFAULT_MAX_KEYS = 1 << 20  # 8 MiB of digests
+PAGE_KEYS = 1 << 16  # keys per page of an export (well under the protocol's message bound)
+_SAMPLE_SPACE = 1 << 24
+
+
+@dataclass(frozen=True)
+class Logged:
+    """One request in the log. `seq` numbers requests from 1 in arrival order."""
+
+    seq: int
+    time: float  # seconds, the clock `record_request` was given
+    ids: array  # type: ignore[type-arg]  # array('Q'): the keys' digests
+    hits: int  # keys the pool held when the request was answered
+
+
+class AccessLog:
+    def __init__(
+        self,
+        max_keys: int = DEFAULT_MAX_KEYS,
+        sample_rate: float = 1.0,
+        secret: bytes | None = None,
+    ) -> None:
+        if max_keys < 1:
+            raise ValueError("the access log must hold at least one key")
+        if not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample rate {sample_rate} is not in (0, 1]")
+        self.max_keys = max_keys
+        self.sample_rate = sample_rate
+        self._threshold = round(sample_rate * _SAMPLE_SPACE)
+        self._secret = secret if secret is not None else secrets.token_bytes(16)
+        self._entries: deque[Logged] = deque()
+        self._keys = 0
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.requests_seen = 0
+        self.requests_sampled = 0
+        self.dropped = 0  # sampled requests pushed out by newer ones
+
+    def _digest(self, namespace: bytes, key: bytes) -> int:
+        h = hashlib.blake2b(key, digest_size=8, key=self._secret, person=namespace[-16:])
+        return int.from_bytes(h.digest(), "little")
+
+    def record_request(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        hits: Sequence[bool] | int,
+        now: float | None = None,
+    ) -> bool:
+        """Log one request's lookup (its keys in order, and which of them hit, or how many);
+        returns whether it was sampled. `now` defaults to the wall clock."""
+        self.requests_seen += 1
+        if not keys:
+            return False
+        ns = hashlib.blake2b(namespace.encode(), digest_size=16, key=self._secret).digest()
+        first = self._digest(ns, keys[0])
+        if (first >> 40) % _SAMPLE_SPACE >= self._threshold:
+            return False
+        ids = array("Q", [first])
+        ids.extend(self._digest(ns, k) for k in keys[1 : self.max_keys])
+        count = hits if isinstance(hits, int) else sum(hits)
+        when = time.time() if now is None else now
+        with self._lock:
+            self._seq += 1
+            self.requests_sampled += 1
+            self._entries.append(Logged(self._seq, when, ids, count))
+            self._keys += len(ids)
+            while self._keys > self.max_keys and len(self._entries) > 1:
+                gone = self._entries.popleft()
+                self._keys -= len(gone.ids)
+                self.dropped += 1
+        return True
+
+    def page(self, after: int, max_keys: int = PAGE_KEYS) -> tuple[list[Logged], int, bool]:
+        """Requests logged after sequence `after`, oldest first, at most `max_keys` keys in
+        all (but at least one request); the sequence to ask after next; whether more wait."""
+        with self._lock:
+            out: list[Logged] = []
+            total = 0
+            for entry in self._entries:
+                if entry.seq <= after:
+                    continue
+                if out and total + len(entry.ids) > max_keys:
+                    return out, out[-1].seq, True
+                out.append(entry)
+                total += len(entry.ids)
+            return out, out[-1].seq if out else max(after, 0), False
+
+    def reply(self, after: int) -> p.AccessLogReply:
+        """The protocol's answer to `AccessLog(after)`: one page."""
+        logged, next_seq, more = self.page(after)
+        return p.AccessLogReply(
+            [p.LoggedRequest(e.seq, e.time, e.ids.tolist(), e.hits) for e in logged],
+            next_seq,
+            more,
+            self.sample_rate,
+            self.dropped,
+        )
+
+    def stats(self) -> dict[str, float | int]:
+        with self._lock:
+            return {
+                "requests": len(self._entries),
+                "keys": self._keys,
+                "max_keys": self.max_keys,
+                "sample_rate": self.sample_rate,
+                "requests_seen": self.requests_seen,
+                "requests_sampled": self.requests_sampled,
+                "dropped": self.dropped,
+                "first_seq": self._entries[0].seq if self._entries else 0,
+            }
+
+
+def to_records(
+    logged: Sequence[Logged],
+    block_size: int,
+    ids: dict[int, int] | None = None,
+    start: float | None = None,
+    extra: dict[str, object] | None = None,
+) -> list[dict[str, object]]:
+    """Mooncake-format records (`timestamp` ms from `start`, `input_length`, `hash_ids`,
+    `block_size`): digests renumbered in order of first appearance through `ids`, which a
+    paged export passes from page to page so the numbering stays one."""
+    numbering = {} if ids is None else ids
+    if start is None:
+        start = logged[0].time if logged else 0.0
+    records: list[dict[str, object]] = []
+    for entry in logged:
+        hash_ids = [numbering.setdefault(d, len(numbering)) for d in entry.ids]
+        records.append(
+            {
+                "timestamp": max(0, round((entry.time - start) * 1000)),
+                "input_length": len(hash_ids) * block_size,
+                "output_length": 0,
+                "hash_ids": hash_ids,
+                "block_size": block_size,
+                "hits": entry.hits,
+                **(extra or {}),
+            }
+        )
+    return records

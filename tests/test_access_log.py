@@ -1,0 +1,140 @@
+"""The agent's access log and `kvtier trace`: a bounded, sampled, content-free log of lookups
+that exports as a trace `kvtier replay` reads, with the reuse structure of the traffic."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvtier.agent import protocol as p
+from kvtier.agent.access_log import AccessLog, to_records
+from kvtier.agent.config import AgentConfig
+from kvtier.agent.process import AgentProcess
+from kvtier.cli import main
+from kvtier.replay import Budget, load_trace, replay_agent, run
+from kvtier.tracegen import multi_turn
+from tests.conftest import ROW
+
+
+def chained(records: list[dict[str, object]]) -> list[list[bytes]]:
+    """Each record's keys as vLLM makes them: a block's key names its whole prefix."""
+    out = []
+    for record in records:
+        keys, prefix = [], b""
+        for block in record["hash_ids"]:  # type: ignore[attr-defined]
+            prefix = prefix + int(block).to_bytes(8, "big")
+            keys.append(prefix[-64:] + len(prefix).to_bytes(4, "big"))
+        out.append(keys)
+    return out
+
+
+def write(path: Path, records: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_digests_hide_keys_and_namespaces() -> None:
+    log = AccessLog(secret=b"s" * 16)
+    key = b"system-prompt-block"
+    log.record_request("llama@abc", [key, b"x"], [True, False], now=1.0)
+    log.record_request("llama@abc", [key], 1, now=2.0)
+    log.record_request("qwen@def", [key], 0, now=3.0)
+    a, b, c = log.page(0)[0]
+    assert a.ids[0] == b.ids[0] != c.ids[0]  # same key, same id; other namespace, other id
+    assert (a.hits, b.hits, c.hits) == (1, 1, 0)
+    assert AccessLog(secret=b"t" * 16)._digest(b"n" * 16, key) != log._digest(b"n" * 16, key)
+    wire = p.encode(log.reply(0))
+    assert key not in wire and b"llama" not in wire
+
+
+def test_bounded_by_keys_oldest_dropped() -> None:
+    log = AccessLog(max_keys=10)
+    for i in range(6):
+        log.record_request("ns", [bytes([i, j]) for j in range(3)], 0, now=float(i))
+    held, _, more = log.page(0)
+    assert [e.seq for e in held] == [4, 5, 6] and not more
+    assert log.dropped == 3 and log.stats()["keys"] == 9
+
+
+def test_pages_cover_the_log_once() -> None:
+    log = AccessLog()
+    for i in range(50):
+        log.record_request("ns", [bytes([i, j]) for j in range(7)], 0, now=float(i))
+    seen: list[int] = []
+    after = 0
+    while True:
+        page, after, more = log.page(after, max_keys=20)
+        assert sum(len(e.ids) for e in page) <= 21
+        seen += [e.seq for e in page]
+        if not more:
+            break
+    assert seen == list(range(1, 51))
+
+
+def test_sampling_keeps_whole_requests_by_first_chunk() -> None:
+    log = AccessLog(sample_rate=0.25, secret=b"k" * 16)
+    kept: dict[int, set[bool]] = {}
+    for head in range(2000):
+        for turn in range(3):  # requests that start alike are kept or dropped together
+            keys = [b"head%d" % head, *(b"t%d-%d" % (head, t) for t in range(turn + 1))]
+            kept.setdefault(head, set()).add(log.record_request("ns", keys, 0, now=0.0))
+    assert all(len(choice) == 1 for choice in kept.values())
+    rate = sum(True in c for c in kept.values()) / len(kept)
+    assert 0.2 < rate < 0.3
+    assert all(len(e.ids) in (2, 3, 4) for e in log.page(0, max_keys=1 << 20)[0])
+
+
+def test_export_replays_like_the_traffic(tmp_path: Path) -> None:
+    """Logged from chained keys and exported, a multi-turn trace gives the same hit rates."""
+    records = multi_turn(seed=5, conversations=300)
+    log = AccessLog()
+    for i, keys in enumerate(chained(records)):
+        log.record_request("ns", keys, 0, now=1000.0 + i)
+    exported = to_records(log.page(0, max_keys=1 << 30)[0], block_size=512)
+    assert exported[0]["timestamp"] == 0 and exported[1]["timestamp"] == 1000
+    original = load_trace(write(tmp_path / "a.jsonl", records))
+    again = load_trace(write(tmp_path / "b.jsonl", exported))
+    assert again.unique_blocks == original.unique_blocks
+    sizes = [Budget("64", 64), Budget("256", 256)]
+    # Token weights differ (the export knows chunks, not tokens); block-level figures agree.
+    a = run(original, sizes, ["lru", "prefix"])["budgets"]
+    b = run(again, sizes, ["lru", "prefix"])["budgets"]
+    assert [r["block_hit_rate"] for r in a] == [r["block_hit_rate"] for r in b]
+
+
+def test_kvtier_trace_from_a_live_agent(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: Callable[[AgentConfig], AgentProcess],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Traffic through a real agent, exported over its socket, is the traffic's trace."""
+    agent = agent_factory(make_config(policy="lru"))
+    path = write(tmp_path / "chats.jsonl", multi_turn(seed=3, conversations=60))
+    original = load_trace(path)
+    replay_agent(original, agent.config.endpoint, ROW)
+    out = tmp_path / "my.jsonl.gz"
+    argv = ["trace", "--agent", agent.config.endpoint, "-o", str(out), "--block-size", "512"]
+    assert main(argv) == 0
+    assert f"{original.requests:,} requests" in capsys.readouterr().err
+    exported = load_trace(out)
+    assert exported.requests == original.requests
+    assert exported.unique_blocks == original.unique_blocks
+    assert exported.nodes == original.nodes  # the same prefix tree, numbered alike
+    first = json.loads(__import__("gzip").open(out, "rt").readline())
+    assert first["chunk_bytes"] >= ROW and first["block_size"] == 512 and "sample_rate" not in first
+
+    argv = ["replay", str(out), "--blocks", "32", "--policy", "lru", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["budgets"][0]["blocks"] == 32
+
+
+def test_kvtier_trace_needs_an_agent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sock = tmp_path / "run" / "agent.sock"
+    sock.parent.mkdir()
+    argv = ["trace", "--agent", f"ipc://{sock}", "-o", str(tmp_path / "x.jsonl")]
+    assert main([*argv, "--timeout", "0.5"]) == 2
+    assert "kvtier trace:" in capsys.readouterr().err
