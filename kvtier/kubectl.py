@@ -2,7 +2,8 @@
 
 Installed as the `kubectl-kvtier` command, which kubectl runs as a plug-in. Reads the same
 objects `kubectl get kvt,kvn` shows and the pods' injection annotations, through the
-current kubeconfig context.
+current kubeconfig context. `trace` runs `kvtier trace` in a node's agent pod with
+`kubectl exec`, so RBAC on `pods/exec` decides who may read a node's access log.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import datetime as dt
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from lightkube.core.exceptions import ConfigError
@@ -185,6 +187,75 @@ def explain_miss(namespace: str, pod_name: str) -> dict[str, Any]:
     return {"pod": pod_name, "tier": tier_name, "node": node_name, "reasons": reasons}
 
 
+AGENT_CONTAINER = "agent"  # the agent DaemonSet's container (kvtier.operator.builders)
+AGENT_CONFIG = "/etc/kvtier/agent.yaml"  # where the agent pod mounts its config
+
+
+def agent_pods(namespace: str, tier: str) -> list[dict[str, Any]]:
+    """The running agent pods of a KVCacheTier, by node: the pods of its DaemonSet."""
+    selector: dict[str, Any] = {"app.kubernetes.io/name": "kvtier-agent", "kvtier.io/tier": tier}
+    with _client() as client:
+        found = client.list(Pod, namespace=namespace, labels=selector)
+        pods = [as_dict(p) for p in found]
+    return sorted(
+        (
+            pod
+            for pod in pods
+            if all((pod["metadata"].get("labels") or {}).get(k) == v for k, v in selector.items())
+            and (pod.get("status") or {}).get("phase") == "Running"
+            and pod["spec"].get("nodeName")
+        ),
+        key=lambda pod: str(pod["spec"]["nodeName"]),
+    )
+
+
+def trace_command(namespace: str, pod: str, block_size: int) -> list[str]:
+    """`kubectl exec` of `kvtier trace` in the agent's container, against its own socket:
+    the API server decides (RBAC on pods/exec) who may read a node's access log, and the
+    agent listens on nothing new."""
+    return [
+        *("kubectl", "exec", "-n", namespace, pod, "-c", AGENT_CONTAINER, "--"),
+        *("kvtier", "trace", "--config", AGENT_CONFIG, "-o", "-"),
+        *("--block-size", str(block_size)),
+    ]
+
+
+def fetch_traces(
+    namespace: str, tier: str, node: str | None, output: str, block_size: int
+) -> list[tuple[str, str]]:
+    """Each chosen node's access log into `output` ({node} in it is the node's name); the
+    (node, file) pairs written. Raises SystemExit with the reason when nothing can be."""
+    import subprocess
+
+    pods = agent_pods(namespace, tier)
+    if node is not None:
+        pods = [pod for pod in pods if pod["spec"]["nodeName"] == node]
+    if not pods:
+        where = f" on node {node}" if node else ""
+        raise SystemExit(f"no running agent of KVCacheTier {namespace}/{tier}{where}")
+    if len(pods) > 1 and "{node}" not in output:
+        nodes = ", ".join(pod["spec"]["nodeName"] for pod in pods)
+        raise SystemExit(
+            f"agents run on {nodes}: name one with --node, or put {{node}} in --output"
+        )
+    written = []
+    for pod in pods:
+        name = str(pod["spec"]["nodeName"])
+        path = output.replace("{node}", name)
+        command = trace_command(namespace, pod["metadata"]["name"], block_size)
+        with open(path, "wb") as out:
+            done = subprocess.run(command, stdout=out, stderr=subprocess.PIPE, check=False)
+        if done.returncode != 0:
+            Path(path).unlink(missing_ok=True)
+            raise SystemExit(
+                f"kubectl exec into {pod['metadata']['name']} on {name} failed: "
+                f"{done.stderr.decode(errors='replace').strip()}"
+            )
+        print(f"{name}: {done.stderr.decode(errors='replace').strip()}", file=sys.stderr)
+        written.append((name, path))
+    return written
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kubectl kvtier", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,7 +267,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     explain.add_argument("pod")
     explain.add_argument("-n", "--namespace", default="default")
     explain.add_argument("--json", action="store_true")
+    trace = sub.add_parser(
+        "trace", help="fetch a node's access log as a trace (kvtier replay, kvtier plan)"
+    )
+    trace.add_argument("tier", help="the KVCacheTier")
+    trace.add_argument("-n", "--namespace", default="default")
+    trace.add_argument("--node", default=None, help="the node whose agent to ask")
+    trace.add_argument(
+        "-o",
+        "--output",
+        default="kvtier-trace-{node}.jsonl",
+        help="file to write; {node} is replaced by the node's name",
+    )
+    trace.add_argument("--block-size", type=int, default=16, help="tokens per chunk")
     args = parser.parse_args(argv)
+    if args.command == "trace":
+        written = fetch_traces(args.namespace, args.tier, args.node, args.output, args.block_size)
+        for node, path in written:
+            print(f"{node}\t{path}")
+        return 0
     if args.command == "status":
         namespace = None if args.all_namespaces else (args.namespace or "default")
         report = collect_status(namespace)
