@@ -27,75 +27,13 @@ from typing import Any
 
 import kvtier
 from kvtier.agent.config import ReportConfig
+from kvtier.agent.node_status import build_report, parse_time
 
 log = logging.getLogger("kvtier.agent.report")
 API_VERSION = "kvtier.io/v1alpha1"
 TIER_LABEL = "kvtier.io/tier"
 FIELD_MANAGER = "kvtier-agent"  # the agent's identity in its KVCacheNode's managedFields
 WATCH_SECONDS = 300  # the API server ends a watch after this long; it is resumed at once
-
-
-def build_report(stats: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
-    """KVCacheNode status from the agent's stats (as the `stats` request returns them)."""
-    tiers = [
-        {
-            "name": "host",
-            "usedBytes": stats["used_bytes"],
-            "capacityBytes": stats["capacity_bytes"],
-            "chunks": stats["chunks"],
-            "hits": stats["hits"],
-            "misses": stats["lookups"] - stats["hits"],
-        }
-    ]
-    secondary_hits = 0
-    unhealthy = []
-    for tier in stats.get("tiers", []):
-        secondary_hits += int(tier.get("hits", 0))
-        healthy = bool(tier.get("healthy", True))
-        if not healthy:
-            unhealthy.append(tier["name"])
-        tiers.append(
-            {
-                "name": tier["name"],
-                "usedBytes": tier["used_bytes"],
-                "capacityBytes": tier["capacity_bytes"],
-                "chunks": tier["chunks"],
-                "hits": tier.get("hits", 0),
-                "misses": tier.get("misses", 0),
-                "healthy": healthy,
-            }
-        )
-    lookups, hits = int(stats["lookups"]), int(stats["hits"]) + secondary_hits
-    return {
-        "heartbeat": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "ready": True,
-        "tiers": tiers,
-        "lookups": lookups,
-        "hits": hits,
-        "peers": stats.get("peers", []),
-        "fingerprints": sorted(stats.get("namespaces", {})),
-        "conditions": [tiers_healthy(unhealthy)],
-        "summary": {
-            "host": f"{stats['used_bytes'] >> 20}Mi/{stats['capacity_bytes'] >> 20}Mi",
-            "hitRate": f"{hits / lookups:.0%}" if lookups else "-",
-            "peers": len(stats.get("peers", [])),
-        },
-    }
-
-
-def tiers_healthy(unhealthy: list[str]) -> dict[str, str]:
-    """The node's TiersHealthy condition: False naming the secondary tiers it skips."""
-    condition = {
-        "type": "TiersHealthy",
-        "status": "False" if unhealthy else "True",
-        "reason": "TierFailing" if unhealthy else "AllHealthy",
-        "message": (
-            f"skipped until a probe succeeds: {', '.join(unhealthy)}"
-            if unhealthy
-            else "every tier answers"
-        ),
-    }
-    return condition
 
 
 @dataclass(frozen=True)
@@ -113,10 +51,6 @@ def _unb64(value: str | None) -> bytes | None:
         return base64.b64decode(value, validate=True) if value else None
     except (binascii.Error, ValueError):
         return None
-
-
-def _parse_time(value: str | None) -> dt.datetime | None:
-    return dt.datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
 
 
 class Registry(ABC):
@@ -170,7 +104,7 @@ class FileRegistry(Registry):
                     Member(
                         record["node"],
                         record["endpoint"],
-                        _parse_time(record["status"].get("heartbeat")),
+                        parse_time(record["status"].get("heartbeat")),
                         _unb64(record.get("nixlMetadata")),
                     )
                 )
@@ -234,7 +168,7 @@ class KubernetesRegistry(Registry):
         return Member(
             spec["node"],
             control,
-            _parse_time((item.get("status") or {}).get("heartbeat")),
+            parse_time((item.get("status") or {}).get("heartbeat")),
             _unb64(spec.get("nixlMetadata")),
         )
 
@@ -363,7 +297,7 @@ class Reporter:
         last_time = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
-            status = build_report(self.collect(), dt.datetime.now(dt.UTC))
+            status = build_report(self.collect(), dt.datetime.now(dt.UTC)).to_manifest()
             comparable = {k: v for k, v in status.items() if k != "heartbeat"}
             due = now - last_time >= self.config.interval_seconds
             changed = last_sent is not None and comparable != last_sent

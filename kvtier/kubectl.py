@@ -21,6 +21,7 @@ from lightkube.resources.core_v1 import Pod
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.agent.node_status import NodeStatus, read_node_status
 from kvtier.agent.units import format_bytes
 from kvtier.kube import ApiError, Client, KVCacheNode, KVCacheTier, as_dict, not_found
 
@@ -46,12 +47,9 @@ def _tiers_and_nodes(client: Client, namespace: str | None) -> tuple[list[Any], 
     )
 
 
-def _fresh(status: dict[str, Any], now: dt.datetime) -> bool:
-    beat = status.get("heartbeat")
-    if not beat:
-        return False
-    when = dt.datetime.fromisoformat(beat.replace("Z", "+00:00"))
-    return (now - when).total_seconds() <= STALE_SECONDS
+def _fresh(status: NodeStatus, now: dt.datetime) -> bool:
+    beat = status.heartbeat_time()
+    return beat is not None and (now - beat).total_seconds() <= STALE_SECONDS
 
 
 def collect_status(namespace: str | None) -> dict[str, Any]:
@@ -67,16 +65,15 @@ def collect_status(namespace: str | None) -> dict[str, Any]:
                 continue
             if node["spec"].get("tier") != meta["name"]:
                 continue
-            ns = node.get("status") or {}
-            lookups = int(ns.get("lookups", 0))
+            ns = read_node_status(node)
             agents.append(
                 {
                     "node": node["spec"]["node"],
                     "ready": _fresh(ns, now),
-                    "tiers": ns.get("tiers", []),
-                    "hitRate": (int(ns.get("hits", 0)) / lookups) if lookups else None,
-                    "peers": ns.get("peers", []),
-                    "fingerprints": ns.get("fingerprints", []),
+                    "tiers": ns.to_manifest()["tiers"],
+                    "hitRate": ns.hit_rate,
+                    "peers": ns.peers,
+                    "fingerprints": ns.fingerprints,
                 }
             )
         report.append(
@@ -175,7 +172,7 @@ def explain_miss(namespace: str, pod_name: str) -> dict[str, Any]:
     )
     if agent is None:
         reasons.append(f"agent down: no agent of {tier_name} reports from node {node_name}")
-    elif not _fresh(agent.get("status") or {}, now):
+    elif not _fresh(read_node_status(agent), now):
         reasons.append(
             f"agent down: the agent on {node_name} has not reported for over {STALE_SECONDS:.0f}s"
         )

@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.agent.fingerprint import differing_components, parse_namespace
+from kvtier.agent.node_status import TIMESTAMP, TierStatus, read_node_status
 from kvtier.agent.units import format_bytes
 
 Manifest = dict[str, Any]
-
-
-def _parse_time(value: str | None) -> dt.datetime | None:
-    if not value:
-        return None
-    return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
 def _condition(kind: str, ok: bool, reason: str, message: str, now: str) -> Manifest:
@@ -48,46 +45,58 @@ def _conflict(model: str, fingerprints: Iterable[str]) -> str:
     return f"engines of {model}: same model name, different {', '.join(differing)}"
 
 
-def aggregate(
-    nodes: Iterable[Manifest],
-    desired: int,
-    now: dt.datetime,
-    heartbeat_timeout: float,
-    config_error: str | None = None,
-    injected_pods: int = 0,
-) -> Manifest:
-    ready = 0
-    host_used = host_capacity = lookups = hits = 0
-    peers: set[str] = set()
-    fingerprints: set[str] = set()
-    tiers: dict[str, dict[str, int]] = {}
-    failing: list[str] = []  # "node: the nodes' TiersHealthy message"
-    for node in nodes:
-        status = node.get("status") or {}
-        for condition in status.get("conditions") or []:
-            if condition.get("type") == "TiersHealthy" and condition.get("status") == "False":
-                where = (node.get("spec") or {}).get("node", "?")
-                failing.append(f"{where}: {condition.get('message', '')}")
-        beat = _parse_time(status.get("heartbeat"))
+@dataclass
+class _Totals:
+    """What the tier's nodes add up to, gathered in one pass over them."""
+
+    ready: int = 0
+    host_used: int = 0
+    host_capacity: int = 0
+    lookups: int = 0
+    hits: int = 0
+    peers: set[str] = field(default_factory=set)
+    fingerprints: set[str] = field(default_factory=set)
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    failing: list[str] = field(default_factory=list)  # "node: its TiersHealthy message"
+
+    def add(self, node: Manifest, now: dt.datetime, heartbeat_timeout: float) -> None:
+        status = read_node_status(node)
+        healthy = status.condition("TiersHealthy")
+        if healthy is not None and healthy.status == "False":
+            where = (node.get("spec") or {}).get("node", "?")
+            self.failing.append(f"{where}: {healthy.message}")
+        beat = status.heartbeat_time()
         if beat is not None and (now - beat).total_seconds() <= heartbeat_timeout:
-            ready += 1
-        lookups += int(status.get("lookups", 0))
-        hits += int(status.get("hits", 0))
-        peers.update(status.get("peers", []))
-        fingerprints.update(status.get("fingerprints", []))
-        for tier in status.get("tiers", []):
-            if tier.get("name") == "host":
-                host_used += int(tier.get("usedBytes", 0))
-                host_capacity += int(tier.get("capacityBytes", 0))
-                continue
-            sums = tiers.setdefault(tier["name"], {})
-            for key in ("usedBytes", "capacityBytes", "chunks", "hits"):
-                sums[key] = sums.get(key, 0) + int(tier.get(key, 0))
-    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
-    models = [_model_of(f) for f in fingerprints]
-    conflicts = sorted({m for m in models if models.count(m) > 1})
-    agents_ready = desired > 0 and ready >= desired
-    conditions = [
+            self.ready += 1
+        self.lookups += status.lookups
+        self.hits += status.hits
+        self.peers.update(status.peers)
+        self.fingerprints.update(status.fingerprints)
+        if (host := status.host) is not None:
+            self.host_used += host.used_bytes
+            self.host_capacity += host.capacity_bytes
+        for tier in status.secondaries:
+            sums = self.tiers.setdefault(tier.name, dict.fromkeys(_TIER_SUMS, 0))
+            for key, value in zip(_TIER_SUMS, _tier_sums(tier), strict=True):
+                sums[key] += value
+
+
+_TIER_SUMS = ("usedBytes", "capacityBytes", "chunks", "hits")
+
+
+def _tier_sums(tier: TierStatus) -> tuple[int, int, int, int]:
+    return tier.used_bytes, tier.capacity_bytes, tier.chunks, tier.hits
+
+
+def _conditions(
+    totals: _Totals, desired: int, config_error: str | None, stamp: str
+) -> list[Manifest]:
+    agents_ready = desired > 0 and totals.ready >= desired
+    per_model = Counter(_model_of(f) for f in totals.fingerprints)
+    conflicts = sorted(m for m, engines in per_model.items() if engines > 1)
+    conflict = "; ".join(_conflict(m, totals.fingerprints) for m in conflicts)
+    ready = config_error is None and agents_ready
+    return [
         _condition(
             "ConfigValid",
             config_error is None,
@@ -99,55 +108,55 @@ def aggregate(
             "AgentsReady",
             agents_ready,
             "AllReady" if agents_ready else "NotReady",
-            f"{ready}/{desired} agents report a fresh heartbeat",
+            f"{totals.ready}/{desired} agents report a fresh heartbeat",
             stamp,
         ),
         _condition(
             "FingerprintConflict",
             bool(conflicts),
             "Conflict" if conflicts else "NoConflict",
-            "; ".join(_conflict(m, fingerprints) for m in conflicts) + " (cannot share chunks)"
-            if conflicts
-            else "",
+            f"{conflict} (cannot share chunks)" if conflicts else "",
             stamp,
         ),
-    ]
-    conditions.append(
         _condition(
             "TiersHealthy",
-            not failing,
-            "TierFailing" if failing else "AllHealthy",
-            "; ".join(sorted(failing)),
+            not totals.failing,
+            "TierFailing" if totals.failing else "AllHealthy",
+            "; ".join(sorted(totals.failing)),
             stamp,
-        )
-    )
-    conditions.append(
-        _condition(
-            "Ready",
-            config_error is None and agents_ready,
-            "Ready" if config_error is None and agents_ready else "NotReady",
-            "",
-            stamp,
-        )
-    )
-    hit_rate = f"{hits / lookups:.0%}" if lookups else "-"
+        ),
+        _condition("Ready", ready, "Ready" if ready else "NotReady", "", stamp),
+    ]
+
+
+def aggregate(
+    nodes: Iterable[Manifest],
+    desired: int,
+    now: dt.datetime,
+    heartbeat_timeout: float,
+    config_error: str | None = None,
+    injected_pods: int = 0,
+) -> Manifest:
+    totals = _Totals()
+    for node in nodes:
+        totals.add(node, now, heartbeat_timeout)
     summary_tiers = ", ".join(
-        f"{name} {format_bytes(t.get('usedBytes', 0))}/{format_bytes(t.get('capacityBytes', 0))}"
-        for name, t in tiers.items()
+        f"{name} {format_bytes(t['usedBytes'])}/{format_bytes(t['capacityBytes'])}"
+        for name, t in totals.tiers.items()
     )
     return {
-        "nodes": {"desired": desired, "ready": ready},
-        "host": {"usedBytes": host_used, "capacityBytes": host_capacity},
-        "tiers": [{"name": name, **sums} for name, sums in tiers.items()],
-        "lookups": lookups,
-        "hits": hits,
-        "peers": len(peers),
+        "nodes": {"desired": desired, "ready": totals.ready},
+        "host": {"usedBytes": totals.host_used, "capacityBytes": totals.host_capacity},
+        "tiers": [{"name": name, **sums} for name, sums in totals.tiers.items()],
+        "lookups": totals.lookups,
+        "hits": totals.hits,
+        "peers": len(totals.peers),
         "injectedPods": injected_pods,
-        "fingerprints": sorted(fingerprints),
-        "conditions": conditions,
+        "fingerprints": sorted(totals.fingerprints),
+        "conditions": _conditions(totals, desired, config_error, now.strftime(TIMESTAMP)),
         "summary": {
-            "host": f"{format_bytes(host_used)}/{format_bytes(host_capacity)}",
-            "hitRate": hit_rate,
+            "host": f"{format_bytes(totals.host_used)}/{format_bytes(totals.host_capacity)}",
+            "hitRate": f"{totals.hits / totals.lookups:.0%}" if totals.lookups else "-",
             "tiers": summary_tiers or "host only",
         },
     }

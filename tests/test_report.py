@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from kvtier.agent.config import ReportConfig
-from kvtier.agent.report import FileRegistry, KubernetesRegistry, Reporter, build_report
+from kvtier.agent.node_status import NodeStatus, build_report, read_node_status
+from kvtier.agent.report import FileRegistry, KubernetesRegistry, Reporter
 from tests.kube_api import KubeAPI
 
 STATS: dict[str, Any] = {
@@ -37,14 +38,14 @@ STATS: dict[str, Any] = {
 
 
 def test_report_from_stats() -> None:
-    report = build_report(STATS, dt.datetime(2026, 1, 1, tzinfo=dt.UTC))
+    report = build_report(STATS, dt.datetime(2026, 1, 1, tzinfo=dt.UTC)).to_manifest()
     assert report["heartbeat"] == "2026-01-01T00:00:00Z"
     assert [t["name"] for t in report["tiers"]] == ["host", "shared-fs"]
     assert report["tiers"][0]["misses"] == 4
     assert report["hits"] == 8 and report["lookups"] == 10
     assert report["summary"] == {"host": "3Mi/8Mi", "hitRate": "80%", "peers": 0}
     with_peers = build_report({**STATS, "peers": ["tcp://10.0.0.2:5557"]}, dt.datetime.now(dt.UTC))
-    assert with_peers["peers"] == ["tcp://10.0.0.2:5557"] and with_peers["summary"]["peers"] == 1
+    assert with_peers.peers == ["tcp://10.0.0.2:5557"] and with_peers.summary.peers == 1
     assert report["fingerprints"] == ["llama-3-8b-aa", "qwen-bb"]
     assert report["conditions"][0]["type"] == "TiersHealthy"
     assert report["conditions"][0]["status"] == "True" and report["tiers"][1]["healthy"]
@@ -58,7 +59,7 @@ def test_an_unhealthy_tier_is_a_false_condition_of_the_node_and_of_the_tier() ->
 
     failing = {**STATS, "tiers": [{**STATS["tiers"][0], "healthy": False}]}
     now = dt.datetime.now(dt.UTC)
-    report = build_report(failing, now)
+    report = build_report(failing, now).to_manifest()
     (condition,) = report["conditions"]
     assert condition["status"] == "False" and "shared-fs" in condition["message"]
     assert report["tiers"][1]["healthy"] is False
@@ -74,6 +75,37 @@ def test_an_unhealthy_tier_is_a_false_condition_of_the_node_and_of_the_tier() ->
     assert tier_conditions["TiersHealthy"]["status"] == "False"
     assert "gpu-1" in tier_conditions["TiersHealthy"]["message"]
     assert "shared-fs" in tier_conditions["TiersHealthy"]["message"]
+
+
+def _schema_fields(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """Property names, nested, of a JSON schema (msgspec's or the CRD's)."""
+    if "$ref" in schema:
+        schema = defs[schema["$ref"].rsplit("/", 1)[1]]
+    if "anyOf" in schema:
+        schema = next(s for s in schema["anyOf"] if s.get("type") != "null")
+    if schema.get("type") == "array":
+        return _schema_fields(schema["items"], defs)
+    props = schema.get("properties", {})
+    return {name: _schema_fields(sub, defs) for name, sub in props.items()}
+
+
+def test_the_status_model_is_the_crds_status() -> None:
+    """The one definition of a KVCacheNode status has exactly the CRD's fields, nested, so
+    nothing the agent writes is pruned by the API server and nothing the CRD offers is unset."""
+    import msgspec
+
+    from tests.apiserver_rules import load_crd
+
+    crd = load_crd("kvcachenode.yaml")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    (model,), defs = msgspec.json.schema_components([NodeStatus])
+    assert _schema_fields(model, defs) == _schema_fields(crd["properties"]["status"], {})
+
+
+def test_a_damaged_node_status_reads_as_empty_not_as_an_error() -> None:
+    assert read_node_status({"status": {"tiers": "lots", "hits": "x"}}) == NodeStatus()
+    assert read_node_status({}) == NodeStatus()
+    partial = read_node_status({"status": {"hits": 3, "lookups": 4, "extra": 1}})
+    assert (partial.hits, partial.lookups, partial.hit_rate) == (3, 4, 0.75)
 
 
 def run_reporter(tmp_path: Path, collect: Any, seconds: float) -> tuple[int, dict[str, Any]]:
@@ -133,7 +165,7 @@ def test_file_registry_lists_members_with_their_nixl_metadata(tmp_path: Path) ->
     a.endpoint, a.nixl = "tcp://127.0.0.1:1", b"\x00nixl-a"
     b.endpoint = "tcp://127.0.0.1:2"  # no NIXL on this one
     for registry in (a, b):
-        registry.publish(build_report(STATS, dt.datetime.now(dt.UTC)))
+        registry.publish(build_report(STATS, dt.datetime.now(dt.UTC)).to_manifest())
     members = {m.node: m for m in b.members()}
     assert members["a"].nixl == b"\x00nixl-a" and members["b"].nixl is None
     assert members["a"].endpoint == "tcp://127.0.0.1:1"

@@ -1,0 +1,154 @@
+"""The KVCacheNode status, defined once: the agent writes it, the operator aggregates it into
+the KVCacheTier's status, and `kubectl kvtier` shows it.
+
+The field names are the CRD's (camelCase on the wire). Reading is lenient on purpose: a node
+written by an older agent, or damaged by hand, reads as what it says and zero for the rest,
+so one bad KVCacheNode never stops the tier's status from being computed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+TIMESTAMP = "%Y-%m-%dT%H:%M:%SZ"
+
+
+class TierStatus(msgspec.Struct, rename="camel", kw_only=True):
+    """One tier of one node: the host tier first, then the secondaries in lookup order."""
+
+    name: str
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+    chunks: int = 0
+    hits: int = 0
+    misses: int = 0
+    healthy: bool = True
+
+
+class Condition(msgspec.Struct, rename="camel", kw_only=True, omit_defaults=True):
+    type: str
+    status: str
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+
+
+class NodeSummary(msgspec.Struct, rename="camel", kw_only=True):
+    host: str = ""
+    hit_rate: str = "-"
+    peers: int = 0
+
+
+class NodeStatus(msgspec.Struct, rename="camel", kw_only=True):
+    heartbeat: str | None = None
+    ready: bool = False
+    tiers: list[TierStatus] = []
+    lookups: int = 0
+    hits: int = 0
+    peers: list[str] = []
+    fingerprints: list[str] = []
+    conditions: list[Condition] = []
+    summary: NodeSummary = msgspec.field(default_factory=NodeSummary)
+
+    @property
+    def host(self) -> TierStatus | None:
+        return next((t for t in self.tiers if t.name == "host"), None)
+
+    @property
+    def secondaries(self) -> list[TierStatus]:
+        return [t for t in self.tiers if t.name != "host"]
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.lookups if self.lookups else None
+
+    def heartbeat_time(self) -> dt.datetime | None:
+        return parse_time(self.heartbeat)
+
+    def condition(self, kind: str) -> Condition | None:
+        return next((c for c in self.conditions if c.type == kind), None)
+
+    def to_manifest(self) -> dict[str, Any]:
+        manifest: dict[str, Any] = msgspec.to_builtins(self)
+        return manifest
+
+
+def parse_time(value: str | None) -> dt.datetime | None:
+    """A Kubernetes timestamp (RFC 3339, `Z` for UTC), or None for none or an unreadable one."""
+    if not value:
+        return None
+    try:
+        return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def read_node_status(node: Mapping[str, Any]) -> NodeStatus:
+    """The status of a KVCacheNode object; an empty one where it is missing or unreadable."""
+    try:
+        return msgspec.convert(node.get("status") or {}, NodeStatus, strict=False)
+    except msgspec.ValidationError:
+        return NodeStatus()
+
+
+def build_report(stats: Mapping[str, Any], now: dt.datetime) -> NodeStatus:
+    """KVCacheNode status from the agent's stats (as the `stats` request returns them)."""
+    tiers = [
+        TierStatus(
+            name="host",
+            used_bytes=stats["used_bytes"],
+            capacity_bytes=stats["capacity_bytes"],
+            chunks=stats["chunks"],
+            hits=stats["hits"],
+            misses=stats["lookups"] - stats["hits"],
+        )
+    ]
+    tiers += [
+        TierStatus(
+            name=tier["name"],
+            used_bytes=tier["used_bytes"],
+            capacity_bytes=tier["capacity_bytes"],
+            chunks=tier["chunks"],
+            hits=tier.get("hits", 0),
+            misses=tier.get("misses", 0),
+            healthy=bool(tier.get("healthy", True)),
+        )
+        for tier in stats.get("tiers", [])
+    ]
+    unhealthy = [t.name for t in tiers if not t.healthy]
+    lookups = int(stats["lookups"])
+    hits = sum(t.hits for t in tiers)
+    peers = list(stats.get("peers", []))
+    return NodeStatus(
+        heartbeat=now.strftime(TIMESTAMP),
+        ready=True,
+        tiers=tiers,
+        lookups=lookups,
+        hits=hits,
+        peers=peers,
+        fingerprints=sorted(stats.get("namespaces", {})),
+        conditions=[tiers_healthy(unhealthy)],
+        summary=NodeSummary(
+            host=f"{stats['used_bytes'] >> 20}Mi/{stats['capacity_bytes'] >> 20}Mi",
+            hit_rate=f"{hits / lookups:.0%}" if lookups else "-",
+            peers=len(peers),
+        ),
+    )
+
+
+def tiers_healthy(unhealthy: list[str]) -> Condition:
+    """The node's TiersHealthy condition: False naming the secondary tiers it skips."""
+    return Condition(
+        type="TiersHealthy",
+        status="False" if unhealthy else "True",
+        reason="TierFailing" if unhealthy else "AllHealthy",
+        message=(
+            f"skipped until a probe succeeds: {', '.join(unhealthy)}"
+            if unhealthy
+            else "every tier answers"
+        ),
+    )
