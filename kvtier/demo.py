@@ -212,77 +212,85 @@ def run_workload(options: DemoOptions, console: Console) -> DemoReport:
     return report
 
 
+_COLUMNS = ("client", "turns", "hit rate", "hits host/fs", "prefill avoided", "stored", "loaded")
+
+
+def _row(
+    name: str,
+    turns: int,
+    hits: tuple[int, int, int, int],
+    tokens: tuple[int, int],
+    moved: tuple[int, int],
+) -> tuple[str, ...]:
+    """One table row: hits (chunks hit, looked up, from host, from fs), tokens (cached,
+    prompt) and bytes moved (stored, loaded)."""
+    hit, looked, host, fs = hits
+    cached, prompt = tokens
+    return (
+        name,
+        str(turns),
+        f"{hit / looked if looked else 0:.1%}",
+        f"{host}/{fs}",
+        f"{cached / prompt if prompt else 0:.1%}",
+        format_bytes(moved[0]),
+        format_bytes(moved[1]),
+    )
+
+
+def _agent_lines(agent: dict[str, Any]) -> list[str]:
+    """What the agent holds, its host tier then each secondary tier."""
+    lines = [
+        f"host tier: {agent['chunks']} chunks in {agent['slots']} slots "
+        f"({format_bytes(agent['used_bytes'])} of {format_bytes(agent['capacity_bytes'])}), "
+        f"policy {agent['policy']}, {agent['evictions']} evictions"
+    ]
+    lines += [
+        f"{t['kind']} tier {t['name']}: {t['chunks']} chunks "
+        f"({format_bytes(t['used_bytes'])} of {format_bytes(t['capacity_bytes'])}), "
+        f"{t.get('writebacks', 0)} written back, {t.get('promotions', 0)} promoted, "
+        f"{t.get('dropped', 0)} write-backs dropped"
+        for t in agent["tiers"]
+    ]
+    return lines
+
+
 def render(report: DemoReport, console: Console) -> None:
     table = Table(title="kvtier demo: clients sharing one node agent")
-    columns = ("client", "turns", "hit rate", "hits host/fs", "prefill avoided", "stored", "loaded")
-    for col in columns:
+    for col in _COLUMNS:
         table.add_column(col, justify="right")
-
-    def add(
-        name: str,
-        turns: int,
-        hit: int,
-        looked: int,
-        host: int,
-        fs: int,
-        cached: int,
-        prompt: int,
-        stored: int,
-        loaded: int,
-    ) -> None:
-        table.add_row(
-            name,
-            str(turns),
-            f"{hit / looked if looked else 0:.1%}",
-            f"{host}/{fs}",
-            f"{cached / prompt if prompt else 0:.1%}",
-            format_bytes(stored),
-            format_bytes(loaded),
-        )
-
     for c in report.clients:
-        add(
-            str(c.client),
-            c.turns,
-            c.chunks_hit,
-            c.chunks_looked_up,
-            c.hits_host,
-            c.hits_fs,
-            c.cached_tokens,
-            c.prompt_tokens,
-            c.bytes_stored,
-            c.bytes_loaded,
+        table.add_row(
+            *_row(
+                str(c.client),
+                c.turns,
+                (c.chunks_hit, c.chunks_looked_up, c.hits_host, c.hits_fs),
+                (c.cached_tokens, c.prompt_tokens),
+                (c.bytes_stored, c.bytes_loaded),
+            )
         )
     s = report.summary()
     table.add_section()
-    add(
-        "all",
-        s["turns"],
-        report.total("chunks_hit"),
-        report.total("chunks_looked_up"),
-        s["hits_from_host"],
-        s["hits_from_filesystem"],
-        s["prefill_tokens_avoided"],
-        s["prompt_tokens"],
-        s["bytes_stored"],
-        s["bytes_loaded"],
+    table.add_row(
+        *_row(
+            "all",
+            s["turns"],
+            (
+                report.total("chunks_hit"),
+                report.total("chunks_looked_up"),
+                s["hits_from_host"],
+                s["hits_from_filesystem"],
+            ),
+            (s["prefill_tokens_avoided"], s["prompt_tokens"]),
+            (s["bytes_stored"], s["bytes_loaded"]),
+        )
     )
     console.print(table)
-    a = report.agent
     console.print(
         f"prefill tokens avoided: {s['prefill_tokens_avoided']:,} of {s['prompt_tokens']:,}; "
-        f"{s['corrupt_loads']} corrupt loads\n"
-        f"host tier: {a['chunks']} chunks in {a['slots']} slots "
-        f"({format_bytes(a['used_bytes'])} of {format_bytes(a['capacity_bytes'])}), "
-        f"policy {a['policy']}, {a['evictions']} evictions"
+        f"{s['corrupt_loads']} corrupt loads"
     )
-    for t in a["tiers"]:
-        console.print(
-            f"{t['kind']} tier {t['name']}: {t['chunks']} chunks "
-            f"({format_bytes(t['used_bytes'])} of {format_bytes(t['capacity_bytes'])}), "
-            f"{t.get('writebacks', 0)} written back, {t.get('promotions', 0)} promoted, "
-            f"{t.get('dropped', 0)} write-backs dropped"
-        )
+    for line in _agent_lines(report.agent):
+        console.print(line)
 
 
 def run_demo(options: DemoOptions) -> int:
