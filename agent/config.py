@@ -181,6 +181,15 @@ class PeerTierConfig(_Model):
     membership_seconds: float = Field(
         default=10.0, gt=0, description="How often the list of live agents is re-read."
     )
+    stale_floor_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="An agent is gone after three missed heartbeats, never sooner than this "
+        "(heartbeats carry other nodes' clocks); lowered only in tests.",
+    )
+    idle_seconds: float = Field(
+        default=60.0, gt=0, description="Connections to a peer unused this long are closed."
+    )
     data_path: Literal["auto", "nixl", "zmq"] = Field(
         default="auto",
         description="How chunk bytes move between agents: NIXL (UCX) reads straight between "

@@ -9,8 +9,6 @@ API server one small write per agent per heartbeat, not one per request.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import datetime as dt
 import json
@@ -43,23 +41,15 @@ class Member:
     node: str
     endpoint: str
     heartbeat: dt.datetime | None
-    nixl: bytes | None = None  # its NIXL agent metadata, when it has NIXL
-
-
-def _unb64(value: str | None) -> bytes | None:
-    try:
-        return base64.b64decode(value, validate=True) if value else None
-    except (binascii.Error, ValueError):
-        return None
+    curve_key: str | None = None  # the CURVE public key its peer endpoint serves with
 
 
 class Registry(ABC):
     node: str
     endpoint: str | None = None  # this agent's peer endpoint, published with its report
-    nixl: bytes | None = None  # and its NIXL agent metadata
-
-    def _nixl_text(self) -> str | None:
-        return base64.b64encode(self.nixl).decode() if self.nixl else None
+    # and the CURVE public key it serves with (public; peers dial it only when they trust
+    # it). NIXL metadata is never published: peers ask for it over the CURVE channel.
+    curve_key: str | None = None
 
     @abstractmethod
     def publish(self, status: dict[str, Any]) -> None: ...
@@ -86,7 +76,7 @@ class FileRegistry(Registry):
         record = {
             "node": self.node,
             "endpoint": self.endpoint,
-            "nixlMetadata": self._nixl_text(),
+            "curveKey": self.curve_key,
             "status": status,
         }
         tmp.write_text(json.dumps(record))
@@ -105,7 +95,7 @@ class FileRegistry(Registry):
                         record["node"],
                         record["endpoint"],
                         parse_time(record["status"].get("heartbeat")),
-                        _unb64(record.get("nixlMetadata")),
+                        record.get("curveKey"),
                     )
                 )
         return found
@@ -136,8 +126,8 @@ class KubernetesRegistry(Registry):
         spec: dict[str, Any] = {"tier": self.tier, "node": self.node, "version": kvtier.__version__}
         if self.endpoint:
             spec["endpoints"] = {"control": self.endpoint}
-        if self.nixl:
-            spec["nixlMetadata"] = self._nixl_text()
+        if self.curve_key:
+            spec["curveKey"] = self.curve_key
         return {
             "apiVersion": API_VERSION,
             "kind": "KVCacheNode",
@@ -169,7 +159,7 @@ class KubernetesRegistry(Registry):
             spec["node"],
             control,
             parse_time((item.get("status") or {}).get("heartbeat")),
-            _unb64(spec.get("nixlMetadata")),
+            spec.get("curveKey"),
         )
 
     def _watch(self) -> None:

@@ -69,17 +69,20 @@ class Agent:
             if tier.peer is not None:
                 assert self.registry is not None  # the config model requires a report target
                 self.peer_server = PeerServer(tier.peer, self.host)
+                # Only the control endpoint is published: NIXL metadata goes to members
+                # over the authenticated channel, never into a resource.
                 self.registry.endpoint = self.peer_server.endpoint
-                if self.peer_server.nixl is not None:
-                    self.registry.nixl = self.peer_server.nixl.metadata
+                self.registry.curve_key = self.peer_server.curve_key
                 self.peer_tier = PeerTier(
                     tier.name,
                     tier.peer,
                     self.registry,
                     self.peer_server,
-                    # three missed heartbeats, and never under 30 s: heartbeats are stamped
-                    # by other nodes' clocks, in whole seconds
-                    stale_after=max(30.0, 3 * config.report.interval_seconds),
+                    # three missed heartbeats, and never under the floor (30 s): heartbeats
+                    # are stamped by other nodes' clocks, in whole seconds
+                    stale_after=max(
+                        tier.peer.stale_floor_seconds, 3 * config.report.interval_seconds
+                    ),
                 )
                 prebuilt[tier.name] = self.peer_tier
         self.tiers = (

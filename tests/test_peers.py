@@ -144,25 +144,21 @@ def test_direct_mode_fetches_from_the_named_source(
     scratch: Path,
     data_path: str,
 ) -> None:
-    """P/D: the decode side's request names the prefill side's agent; no directory (the two
-    agents do not even share a registry) is needed. Both data paths move the bytes."""
-    prefill = agent_factory(
-        node_config(make_config, scratch, "prefill", None, "reg-prefill", **paced(data_path))
-    )
-    decode_config = node_config(
-        make_config, scratch, "decode", None, "reg-decode", **paced(data_path)
-    )
+    """P/D: the decode side's request names the prefill side's agent (a live member of the
+    tier), which is asked directly, before its announcements reach the keys' homes. Both data
+    paths move the bytes."""
+    prefill = agent_factory(node_config(make_config, scratch, "prefill", None, **paced(data_path)))
+    decode_config = node_config(make_config, scratch, "decode", None, **paced(data_path))
     agent_factory(decode_config)
-    record = json.loads((scratch / "reg-prefill" / "prefill.json").read_text())
+    record = json.loads((scratch / "registry" / "prefill.json").read_text())
     source = record["endpoint"]
-    # The agent advertises its NIXL agent with its report, where peers read it.
-    assert bool(record["nixlMetadata"]) == (data_path == "nixl")
+    # Only the control endpoint is published; NIXL metadata goes over the control channel.
+    assert "nixlMetadata" not in record
     with AgentClient(prefill.config.endpoint) as producer:
         producer.store(NS, [key(i) for i in range(4)], [row(i, ROW) for i in range(4)])
         wait_for(lambda: producer.stats()["tiers"][0].get("writebacks") == 4)
     with AgentClient(decode_config.endpoint) as consumer:
         keys = [key(i) for i in range(5)]
-        assert consumer.lookup(NS, keys).where == [-1] * 5  # unknown without the source
         assert consumer.lookup(NS, keys, source=source).where == [1, 1, 1, 1, -1]
         assert load_exact(consumer, [0]) == [True]  # and the connection to the source is up
         outs = [np.zeros(ROW, np.uint8) for _ in range(3)]
@@ -390,12 +386,10 @@ def test_a_read_of_an_entry_gone_stale_is_a_miss(
     """Direct mode names a holder that has evicted the chunk since it said it held it: the
     loan finds it absent and the load is a miss."""
     small = {"capacity": 12 * (ROW + 4096) + 4096}
-    holder = agent_factory(
-        node_config(make_config, scratch, "holder", None, "reg-holder", host=small)
-    )
-    asker_config = node_config(make_config, scratch, "asker", None, "reg-asker")
+    holder = agent_factory(node_config(make_config, scratch, "holder", None, host=small))
+    asker_config = node_config(make_config, scratch, "asker", None)
     agent_factory(asker_config)
-    source = json.loads((scratch / "reg-holder" / "holder.json").read_text())["endpoint"]
+    source = json.loads((scratch / "registry" / "holder.json").read_text())["endpoint"]
     with (
         AgentClient(holder.config.endpoint) as producer,
         AgentClient(asker_config.endpoint) as asker,
@@ -422,12 +416,10 @@ def test_a_chunk_damaged_in_the_holders_pool_is_never_served_by_a_peer(
     chunk against its checksum before lending it, so it never lends that one (counted
     corrupt, dropped); the asker serves a miss for it and the intact neighbour arrives. (A
     chunk damaged on the way is caught by the asker's own check of what arrives.)"""
-    holder = agent_factory(
-        node_config(make_config, scratch, "holder", None, "reg-holder", **paced(data_path))
-    )
-    asker_config = node_config(make_config, scratch, "asker", None, "reg-asker", **paced(data_path))
+    holder = agent_factory(node_config(make_config, scratch, "holder", None, **paced(data_path)))
+    asker_config = node_config(make_config, scratch, "asker", None, **paced(data_path))
     agent_factory(asker_config)
-    source = json.loads((scratch / "reg-holder" / "holder.json").read_text())["endpoint"]
+    source = json.loads((scratch / "registry" / "holder.json").read_text())["endpoint"]
     with AgentClient(holder.config.endpoint) as producer:
         producer.store(NS, [key(i) for i in range(3)], [row(i, ROW) for i in range(3)])
         wait_settled(producer)
@@ -443,8 +435,10 @@ def test_a_chunk_damaged_in_the_holders_pool_is_never_served_by_a_peer(
         assert np.array_equal(outs[1], row(2, ROW))
         assert moved_chunks(asker) == before + 1  # over NIXL, or ZMQ while NIXL connects
         # Nothing damaged entered the asker's pool, and told of it, the holder checked its
-        # copy and dropped it: no client of either node is served the bad bytes.
-        assert asker.lookup(NS, keys).where == [0, -1, 0]
+        # copy, dropped it and withdrew it from the directory: no client of either node is
+        # served the bad bytes.
+        assert asker.lookup(NS, keys).where[1] != 0
+        assert wait_for(lambda: asker.lookup(NS, keys).where == [0, -1, 0])
     with AgentClient(holder.config.endpoint) as producer:
         assert wait_for(lambda: producer.lookup(NS, keys).where == [0, -1, 0])
         assert (

@@ -132,42 +132,42 @@ def test_changes_are_published_at_most_every_min_interval(tmp_path: Path) -> Non
     assert last["lookups"] > 0
 
 
-def test_a_restarted_agent_updates_its_kvcachenode_endpoint_and_nixl_metadata(
+def test_a_restarted_agent_updates_its_kvcachenode_endpoint_and_curve_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over the emulated API server: the agent that replaces a node's previous one finds its
-    KVCacheNode (409 on create) and rewrites the peer endpoint and NIXL metadata, which is
-    what the other agents then read."""
+    KVCacheNode (409 on create) and rewrites the peer endpoint and the CURVE public key it
+    serves with, which is what the other agents then read (NIXL metadata is never published)."""
     with KubeAPI(tmp_path) as api:
         monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
         config = ReportConfig.model_validate(
             {"target": "kubernetes", "namespace": "default", "tier": "llama", "node": "gpu-1"}
         )
-        for endpoint, metadata in (
-            ("tcp://10.0.0.1:5557", b"old"),
-            ("tcp://10.0.0.9:5557", b"new"),
+        for endpoint, curve_key in (
+            ("tcp://10.0.0.1:5557", "old"),
+            ("tcp://10.0.0.9:5557", "new"),
         ):
             registry = KubernetesRegistry(config, "gpu-1")
-            registry.endpoint, registry.nixl = endpoint, metadata
+            registry.endpoint, registry.curve_key = endpoint, curve_key
             registry.publish({"heartbeat": "2026-11-29T10:00:00Z"})
         other = KubernetesRegistry(config, "gpu-2")
         (member,) = other.members()
         other.close()
-        assert (member.node, member.endpoint, member.nixl) == (
+        assert (member.node, member.endpoint, member.curve_key) == (
             "gpu-1",
             "tcp://10.0.0.9:5557",
-            b"new",
+            "new",
         )
 
 
-def test_file_registry_lists_members_with_their_nixl_metadata(tmp_path: Path) -> None:
+def test_file_registry_lists_members_with_their_curve_keys(tmp_path: Path) -> None:
     a, b = FileRegistry(tmp_path, "a"), FileRegistry(tmp_path, "b")
-    a.endpoint, a.nixl = "tcp://127.0.0.1:1", b"\x00nixl-a"
-    b.endpoint = "tcp://127.0.0.1:2"  # no NIXL on this one
+    a.endpoint, a.curve_key = "tcp://127.0.0.1:1", "a-public-key"
+    b.endpoint = "tcp://127.0.0.1:2"  # unauthenticated
     for registry in (a, b):
         registry.publish(build_report(STATS, dt.datetime.now(dt.UTC)).to_manifest())
     members = {m.node: m for m in b.members()}
-    assert members["a"].nixl == b"\x00nixl-a" and members["b"].nixl is None
+    assert members["a"].curve_key == "a-public-key" and members["b"].curve_key is None
     assert members["a"].endpoint == "tcp://127.0.0.1:1"
 
 

@@ -47,6 +47,7 @@ from kvtier.agent.tiers.peer_wire import (
     Damaged,
     Fetch,
     Holds,
+    KeyRing,
     Lend,
     Lent,
     NixlHello,
@@ -56,13 +57,13 @@ from kvtier.agent.tiers.peer_wire import (
     decode_loan,
     decode_statuses,
     encode,
-    load_keys,
     secure_client,
 )
 
 log = logging.getLogger("kvtier.agent.peers")
 HOLDER_CACHE = 65536
 CONNECTIONS_PER_PEER = 4
+ANNOUNCE_BATCH = 4096  # keys per announcement message (re-announcing a whole pool)
 MAX_BATCH = 64  # chunks asked of one holder in one request
 ZMQ_BATCH = 8
 NIXL_RETRY_SECONDS = 60.0
@@ -97,19 +98,46 @@ class _Read:
 class _Connection:
     """A request/reply channel to one peer, shared by threads (one request at a time)."""
 
-    def __init__(self, endpoint: str, keys: tuple[bytes, bytes] | None, timeout: float) -> None:
+    def __init__(
+        self, endpoint: str, keys: KeyRing | None, server_key: bytes, timeout: float
+    ) -> None:
         self.endpoint = endpoint
         self._keys = keys
+        self.server_key = server_key
         self._timeout_ms = int(timeout * 1000)
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
         self._sock: zmq.Socket[bytes] | None = None
+        self.used = time.monotonic()
+
+    @property
+    def open(self) -> bool:
+        return self._sock is not None
+
+    def close_if_idle(self, unused_since: float) -> bool:
+        """Close the socket when it was last used before `unused_since` (and is not in use
+        now): an idle peer costs neither side a connection. It reopens on next use."""
+        if self._sock is None or self.used > unused_since or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._sock is None or self.used > unused_since:
+                return False
+            self._drop()
+            return True
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._drop()
 
     def _socket(self) -> zmq.Socket[bytes]:
+        self.used = time.monotonic()
         if self._sock is None:
             sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            secure_client(sock, self._keys)
+            secure_client(sock, self._keys, self.server_key)
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock
@@ -184,7 +212,10 @@ class PeerTier(SecondaryTier):
         self.stale_after = stale_after
         self.server = server
         self.me = server.endpoint
-        self._keys = load_keys(config.curve_key_dir) if config.curve_key_dir else None
+        server.is_member = self.is_member
+        server.members = lambda: self._member_set
+        self._keys = server.keys
+        self._server_keys: dict[str, bytes] = {}  # member endpoint -> the key it serves with
         self._connections: dict[str, list[_Connection]] = {}
         self._turn = 0
         self._lock = threading.Lock()
@@ -193,8 +224,14 @@ class PeerTier(SecondaryTier):
         self._holder: OrderedDict[tuple[str, bytes], str] = OrderedDict()
         self._direct: OrderedDict[tuple[str, bytes], str] = OrderedDict()
         self._members: list[str] = [self.me]
-        self._members_at = 0.0
-        self._advertised: dict[str, bytes] = {}  # peer endpoint -> its NIXL metadata
+        self._member_set: frozenset[str] = frozenset(self._members)
+        self._members_at = -float("inf")
+        # What this agent announced it holds (stored here, or found in its pool at start),
+        # re-announced before the homes' entries expire and whenever the homes move.
+        self._held: dict[str, set[bytes]] = {}
+        self._seeded = False
+        self._announced_at = -float("inf")
+        self._announced_to: list[str] = []  # the membership the last announcement used
         self._nixl_names: dict[str, str] = {}
         self._nixl_retry: dict[str, float] = {}  # endpoint -> when to try NIXL again
         self._counts: dict[str, int] = {}
@@ -208,27 +245,52 @@ class PeerTier(SecondaryTier):
         with self._lock:
             pool = self._connections.get(endpoint)
             if pool is None:
+                server_key = self._server_keys.get(endpoint, b"")
                 pool = self._connections[endpoint] = [
-                    _Connection(endpoint, self._keys, self.config.timeout_seconds)
+                    _Connection(endpoint, self._keys, server_key, self.config.timeout_seconds)
                     for _ in range(CONNECTIONS_PER_PEER)
                 ]
             self._turn += 1
             return pool[self._turn % len(pool)]
 
-    def live_members(self) -> list[str]:
+    def live_members(self, fresh_within: float | None = None) -> list[str]:
         """Agents with a fresh heartbeat, re-read from the registry every
-        `membershipSeconds` (the Kubernetes registry answers from its watch, the file
-        registry reads the directory)."""
+        `membershipSeconds` (or when older than `fresh_within`; the Kubernetes registry
+        answers from its watch, the file registry reads the directory)."""
         now = time.monotonic()
-        if now - self._members_at > self.config.membership_seconds:
+        limit = self.config.membership_seconds if fresh_within is None else fresh_within
+        if now - self._members_at > limit:
             cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=self.stale_after)
             found: list[Member] = self.registry.members()
-            fresh = [m for m in found if m.heartbeat is None or m.heartbeat > cutoff]
+            fresh = [
+                m
+                for m in found
+                if (m.heartbeat is None or m.heartbeat > cutoff) and self._reachable(m)
+            ]
             live = {m.endpoint for m in fresh}
-            self._advertised.update({m.endpoint: m.nixl for m in fresh if m.nixl})
+            self._server_keys = {m.endpoint: (m.curve_key or "").encode() for m in fresh}
             self._members = sorted(live | {self.me})
+            self._member_set = frozenset(self._members)
             self._members_at = now
         return self._members
+
+    def _reachable(self, member: Member) -> bool:
+        """Whether this agent can talk to `member`: both authenticated, with a key this
+        agent trusts, or both not (during the rolling upgrade from an unauthenticated tier
+        the two kinds form separate groups, each with its own directory, and miss the other's
+        chunks until the roll-out ends)."""
+        if self._keys is None:
+            return not member.curve_key
+        return member.curve_key is not None and member.curve_key.encode() in self._keys.trusted
+
+    def is_member(self, endpoint: str) -> bool:
+        """Whether `endpoint` is a live agent of this tier; one not known yet makes the
+        membership be re-read (at most four times a second), so a node that just joined is
+        not refused for long."""
+        if endpoint in self._member_set:
+            return True
+        self.live_members(fresh_within=min(0.25, self.config.membership_seconds))
+        return endpoint in self._member_set
 
     def peers(self) -> list[str]:
         """The other live agents' peer endpoints (as last read)."""
@@ -239,20 +301,56 @@ class PeerTier(SecondaryTier):
     def write(self, header: ChunkHeader, payload: memoryview) -> None:
         """Tell the key's home that this agent holds the chunk; no bytes move."""
         self._evictions_seen.setdefault(header.namespace, 0)
+        with self._lock:
+            self._held.setdefault(header.namespace, set()).add(header.key)
         self._tell_homes(header.namespace, [header.key], Announce)
 
     def _tell_homes(
         self, namespace: str, keys: list[bytes], what: type[Announce] | type[Withdraw]
     ) -> None:
-        """Announce (or withdraw) this agent as a holder of `keys`: one message per home."""
+        """Announce (or withdraw) this agent as a holder of `keys`: a message per home and
+        per `ANNOUNCE_BATCH` keys."""
         for home, indexes in self._by_home(keys).items():
-            batch = [keys[i] for i in indexes]
-            if home != self.me:
-                self._peer(home).send(what(namespace, batch, self.me))
-            elif what is Announce:
-                self.server.directory.announce(namespace, batch, self.me)
-            else:
-                self.server.directory.withdraw(namespace, batch, self.me)
+            for start in range(0, len(indexes), ANNOUNCE_BATCH):
+                batch = [keys[i] for i in indexes[start : start + ANNOUNCE_BATCH]]
+                if home != self.me:
+                    self._peer(home).send(what(namespace, batch, self.me))
+                elif what is Announce:
+                    self.server.directory.announce(namespace, batch, self.me)
+                else:
+                    self.server.directory.withdraw(namespace, batch, self.me)
+
+    def reannounce_seconds(self) -> float:
+        """Holders re-announce at a third of the homes' TTL: an entry outlives two lost
+        announcements."""
+        return self.config.announce_ttl_seconds / 3
+
+    def _reannounce(self) -> None:
+        """Announce everything held again, to the homes the current membership gives: before
+        the entries expire, and at once when membership changed (keys whose home moved are
+        unknown to their new home until then)."""
+        members = self.live_members()
+        now = time.monotonic()
+        if members == self._announced_to and now - self._announced_at < self.reannounce_seconds():
+            return
+        self._announced_to, self._announced_at = list(members), now
+        with self._lock:
+            held = {namespace: list(keys) for namespace, keys in self._held.items() if keys}
+        for namespace, keys in held.items():
+            self._tell_homes(namespace, keys, Announce)
+        self._count("reannounced", sum(len(keys) for keys in held.values()))
+
+    def _seed(self) -> None:
+        """A restarted agent re-indexed a warm pool: what it holds is announced like what is
+        stored after the start."""
+        host = self.server.host
+        with host.lock:
+            ready = {ns: set(keys) for ns, keys in host.index._ready.items() if keys}
+        with self._lock:
+            for namespace, keys in ready.items():
+                self._held.setdefault(namespace, set()).update(keys)
+                self._evictions_seen.setdefault(namespace, 0)
+        self._seeded = True
 
     def _by_home(self, keys: list[bytes]) -> dict[str, list[int]]:
         """Positions in `keys`, grouped by the live member each key's home is."""
@@ -273,12 +371,21 @@ class PeerTier(SecondaryTier):
             if batch.evicted:
                 gone = host.missing(namespace, batch.evicted)  # not stored again since
                 if gone:
+                    with self._lock:
+                        self._held.get(namespace, set()).difference_update(gone)
                     self._tell_homes(namespace, gone, Withdraw)
 
     def ask_source(self, source: str, namespace: str, keys: list[bytes]) -> None:
         """Direct mode: remember `source` as the holder of the keys it says it holds, so
-        lookups and reads go straight to it (no directory involved)."""
+        lookups and reads go straight to it (no directory involved). Only a live member of
+        this tier is asked: a request naming anything else (an end user can set the source
+        through vLLM's API) is refused and counted, and no connection is made."""
         if source == self.me:
+            return
+        if not self.is_member(source):
+            self._count("refused_sources")
+            self.server.host.metrics.peer_refused.inc(len(keys))
+            log.warning("refused a request naming %r as its source: not a member", source[:200])
             return
         reply = self._peer(source).call(Holds(namespace, keys))
         if reply:
@@ -297,7 +404,7 @@ class PeerTier(SecondaryTier):
             indexes = [asked[j] for j in positions]
             batch = [keys[i] for i in indexes]
             if home == self.me:
-                holders = self.server.directory.holders(namespace, batch)
+                holders = self.server.directory.holders(namespace, batch, self._member_set)
             else:
                 reply = self._peer(home).call(WhoHas(namespace, batch))
                 holders = msgspec.msgpack.decode(reply[0]) if reply else [""] * len(batch)
@@ -377,19 +484,21 @@ class PeerTier(SecondaryTier):
 
     def _nixl_agent(self, endpoint: str) -> str:
         """The holder's NIXL agent name ("" when either side has no NIXL or it cannot be
-        reached over NIXL), learnt from its registry record or, failing that, by asking it
-        once. An agent NIXL could not connect to is retried after `NIXL_RETRY_SECONDS`."""
+        reached over NIXL), learnt by asking it over the authenticated control channel (its
+        NIXL metadata is published nowhere else). An agent NIXL could not connect to is
+        retried after `NIXL_RETRY_SECONDS`."""
         nixl = self.server.nixl
         if nixl is None or time.monotonic() < self._nixl_retry.get(endpoint, 0.0):
             return ""
         known = self._nixl_names.get(endpoint)
         if known is None:
-            metadata = self._advertised.get(endpoint)
-            if metadata is None:
-                reply = self._peer(endpoint).call(NixlHello())
-                if reply is None:
-                    return ""
-                metadata = bytes(reply[0])
+            reply = self._peer(endpoint).call(NixlHello(self.me))
+            if reply is None:
+                return ""
+            if len(reply) > 1:  # refused: it does not know this agent as a member yet
+                self._nixl_retry[endpoint] = time.monotonic() + 1.0
+                return ""
+            metadata = bytes(reply[0])
             try:
                 known = nixl.add_remote(metadata) if metadata else ""
             except Exception as exc:  # NIXL's backend cannot reach it: ZMQ it is
@@ -412,7 +521,6 @@ class PeerTier(SecondaryTier):
         moving: list[tuple[_Read, Lent, ChunkHeader]] = []
         try:
             if loan.agent != remote:  # the holder restarted: learn its new NIXL agent
-                self._advertised.pop(holder, None)
                 self._forget_nixl(holder)
                 raise _NixlFailed
             for read, chunk in zip(batch, loan.chunks, strict=True):
@@ -485,7 +593,14 @@ class PeerTier(SecondaryTier):
 
     def counters(self) -> dict[str, int]:
         with self._lock:
-            return {**self._counts, "lent": self.server.lent(), "refused": self.server.refused}
+            counts = {**self._counts, "lent": self.server.lent(), "refused": self.server.refused}
+        return {
+            **counts,
+            "refused_requests": self.server.refused_requests,
+            "refused_handshakes": self.server.refused_handshakes,
+            "connections": self.open_connections(),
+            "directory_keys": len(self.server.directory),
+        }
 
     def usage(self) -> TierUsage:
         return TierUsage(0, 0, len(self._holder))
@@ -496,17 +611,56 @@ class PeerTier(SecondaryTier):
             self.server.nixl.forget(name)
 
     def maintain(self) -> int:
+        """Membership re-read; entries and connections of agents gone dropped, idle
+        connections closed; evictions withdrawn; held chunks re-announced when due."""
         live = set(self.live_members())
-        for endpoint in list(self._connections):
-            if endpoint not in live:
-                self.server.directory.forget(endpoint)
-                self._forget_nixl(endpoint)
+        self.server.directory.retain(live.__contains__)
+        with self._lock:
+            # gone, or serving with another key since (restarted during a key rotation)
+            dropped = [
+                endpoint
+                for endpoint, pool in self._connections.items()
+                if endpoint not in live
+                or pool[0].server_key != self._server_keys.get(endpoint, b"")
+            ]
+        for endpoint in dropped:
+            self._forget_nixl(endpoint)
+            self._direct_forget(endpoint)
+            with self._lock:
+                pool = self._connections.pop(endpoint, [])
+            for connection in pool:
+                connection.close()
+        unused_since = time.monotonic() - self.config.idle_seconds
+        with self._lock:
+            pools = list(self._connections.values())
+        closed = sum(c.close_if_idle(unused_since) for pool in pools for c in pool)
+        if closed:
+            self._count("idle_closed", closed)
+        if not self._seeded:
+            self._seed()
         self._withdraw_evicted()
+        self._reannounce()
         now = time.monotonic()
         if now - self._expired_at > self.config.announce_ttl_seconds / 4:
             self.server.directory.expire()
             self._expired_at = now
         return 0
 
+    def _direct_forget(self, endpoint: str) -> None:
+        """Keys a source that is gone said it holds are no longer looked for there."""
+        for cache in (self._direct, self._holder):
+            for chunk in [c for c, holder in list(cache.items()) if holder == endpoint]:
+                cache.pop(chunk, None)
+
+    def open_connections(self) -> int:
+        with self._lock:
+            return sum(c.open for pool in self._connections.values() for c in pool)
+
     def close(self) -> None:
         self._fetchers.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            pools = list(self._connections.values())
+            self._connections.clear()
+        for pool in pools:
+            for connection in pool:
+                connection.close()

@@ -7,6 +7,7 @@ import hashlib
 import random
 import threading
 import time
+from collections.abc import Callable, Collection
 
 
 def home_of(key: bytes, members: list[str]) -> str:
@@ -38,21 +39,45 @@ class Directory:
                     if not holders:
                         del self._holders[(namespace, key)]
 
-    def holders(self, namespace: str, keys: list[bytes]) -> list[str]:
-        """A live holder per key ("" for none), chosen at random among several, so the
-        askers of a popular chunk spread over the nodes that hold it."""
+    def holders(
+        self, namespace: str, keys: list[bytes], members: Collection[str] | None = None
+    ) -> list[str]:
+        """A holder per key ("" for none) whose announcement has not expired and, given
+        `members`, that is among them (an agent gone stale is never reported, even before
+        its entries are dropped), chosen at random among several, so the askers of a
+        popular chunk spread over the nodes that hold it."""
         now = time.monotonic()
         found = []
         with self._lock:
             for key in keys:
-                live = [h for h, t in self._holders.get((namespace, key), {}).items() if t > now]
+                live = [
+                    h
+                    for h, t in self._holders.get((namespace, key), {}).items()
+                    if t > now and (members is None or h in members)
+                ]
                 found.append(random.choice(live) if live else "")
         return found
 
     def forget(self, holder: str) -> None:
+        self.retain(lambda h: h != holder)
+
+    def retain(self, keep: Callable[[str], bool]) -> int:
+        """Drop every entry of the holders `keep` rejects (agents no longer members);
+        returns how many keys lost their last holder."""
         with self._lock:
-            for holders in self._holders.values():
-                holders.pop(holder, None)
+            emptied = []
+            for chunk, holders in self._holders.items():
+                for holder in [h for h in holders if not keep(h)]:
+                    del holders[holder]
+                if not holders:
+                    emptied.append(chunk)
+            for chunk in emptied:
+                del self._holders[chunk]
+        return len(emptied)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._holders)
 
     def expire(self) -> int:
         """Drop the entries no live announcement backs; returns how many keys went."""

@@ -4,11 +4,15 @@ lent from this agent's pool (NIXL loans, or ZMQ frames sent from the slot), at m
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import msgspec
 import zmq
@@ -22,6 +26,7 @@ from kvtier.agent.tiers.peer_directory import Directory
 from kvtier.agent.tiers.peer_wire import (
     ABSENT,
     BUSY,
+    REFUSED,
     SENT,
     Announce,
     Damaged,
@@ -31,15 +36,25 @@ from kvtier.agent.tiers.peer_wire import (
     Lent,
     Loan,
     NixlHello,
-    OnlyKey,
     PeerRequest,
     Return,
+    TrustedKeys,
     WhoHas,
     Withdraw,
     decode,
     encode,
     load_keys,
 )
+
+log = logging.getLogger("kvtier.agent.peers")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class PeerServer:
@@ -57,15 +72,18 @@ class PeerServer:
         self._auth: ThreadAuthenticator | None = None
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if config.curve_key_dir is not None:
-            public, secret = load_keys(config.curve_key_dir)
+        self.keys = load_keys(config.curve_key_dir) if config.curve_key_dir else None
+        self._trusted: TrustedKeys | None = None
+        if self.keys is not None:
             self._auth = ThreadAuthenticator(self._ctx)
             self._auth.start()
-            # Only clients presenting the cluster's own public key (so holding its secret
-            # key, or the handshake fails) are let in.
-            self._auth.configure_curve_callback(domain="*", credentials_provider=OnlyKey(public))
+            # Only clients presenting a trusted public key (and holding its secret key, or
+            # the handshake fails) are let in.
+            self._trusted = TrustedKeys(self.keys.trusted)
+            self._auth.configure_curve_callback(domain="*", credentials_provider=self._trusted)
             self._sock.curve_server = True
-            self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
+            self._sock.curve_publickey = self.keys.public
+            self._sock.curve_secretkey = self.keys.secret
         self._sock.bind(config.bind)
         bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if "0.0.0.0" in bound:  # listening everywhere: advertise the pod's (or host's) address
@@ -75,10 +93,25 @@ class PeerServer:
         self._loans: dict[int, tuple[float, int]] = {}  # lease -> (deadline, slots)
         self._sending: list[tuple[zmq.MessageTracker, int, int]] = []  # (tracker, lease, slots)
         self.refused = 0
+        self.refused_requests = 0  # naming a non-member, or a non-member's request
+        # Set by the peer tier, which follows the tier's membership; until then, nobody.
+        self.is_member: Callable[[str], bool] = lambda endpoint: False
+        self.members: Callable[[], frozenset[str]] = frozenset
         host.metrics.peer_lent.set_function(self.lent)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvtier-peers", daemon=True)
         self._thread.start()
+
+    @property
+    def curve_key(self) -> str | None:
+        """The public key this endpoint serves with, published so peers know what to dial
+        (they do only when they trust it)."""
+        return self.keys.public.decode() if self.keys is not None else None
+
+    @property
+    def refused_handshakes(self) -> int:
+        """Peers that presented an untrusted key."""
+        return self._trusted.refused if self._trusted is not None else 0
 
     def lent(self) -> int:
         """Slots lent to peers right now (also read by the metrics thread: copies only)."""
@@ -95,10 +128,10 @@ class PeerServer:
                 self.nixl.progress()
             if not ready:
                 continue
-            frames = self._sock.recv_multipart()
+            frames = self._sock.recv_multipart(copy=False)
             if len(frames) != 3:
                 continue
-            identity, rid, body = frames
+            identity, rid, body = (frame.bytes for frame in frames)
             try:
                 request = decode(body)
             except msgspec.DecodeError:
@@ -106,18 +139,40 @@ class PeerServer:
             if isinstance(request, Fetch):
                 self._send_chunks(identity, rid, request)
                 continue
+            if isinstance(request, NixlHello) and not self._from_member(
+                request.asker, str(frames[2].get("Peer-Address"))
+            ):
+                self._refuse(f"NIXL metadata asked for by {request.asker[:200]!r}")
+                self._sock.send_multipart([identity, rid, b"", REFUSED.encode()])
+                continue
             reply = self._handle(request)
             if reply is not None:
                 self._sock.send_multipart([identity, rid, reply])
 
+    def _from_member(self, endpoint: str, address: str) -> bool:
+        """Whether `endpoint` is a live member of the tier and the request came from its
+        host (the connection's address), so a keyed process cannot pass as another agent."""
+        if not self.is_member(endpoint):
+            return False
+        host = urlsplit(endpoint).hostname if endpoint.startswith("tcp://") else None
+        return host is None or host == address or not _is_ip(host)
+
+    def _refuse(self, what: str) -> None:
+        self.refused_requests += 1
+        self.host.metrics.peer_refused.inc()
+        log.warning("peer request refused: %s", what)
+
     def _handle(self, request: PeerRequest) -> bytes | None:
-        """The reply to a request; None for one-way messages."""
-        if isinstance(request, Announce):
+        """The reply to a request; None for one-way messages. Entries naming a holder that is
+        not a live member are refused (nobody is sent to an address outside the tier)."""
+        if isinstance(request, Announce | Withdraw) and not self.is_member(request.holder):
+            self._refuse(f"holder {request.holder[:200]!r} is not a member")
+        elif isinstance(request, Announce):
             self.directory.announce(request.namespace, request.keys, request.holder)
         elif isinstance(request, Withdraw):
             self.directory.withdraw(request.namespace, request.keys, request.holder)
         elif isinstance(request, WhoHas):
-            return encode(self.directory.holders(request.namespace, request.keys))
+            return encode(self.directory.holders(request.namespace, request.keys, self.members()))
         elif isinstance(request, Holds):
             missing = set(self.host.missing(request.namespace, request.keys))
             return encode([key not in missing for key in request.keys])

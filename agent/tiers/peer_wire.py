@@ -1,10 +1,12 @@
 """What agents of a tier say to each other over their peer endpoints (msgpack over ZMQ), and
-how those channels are secured: CURVE with the cluster's key pair, which the operator mounts
-from a Secret; a peer without it cannot complete the handshake."""
+how those channels are secured: CURVE with the tier's key pair, which the operator mounts
+from a Secret (one it creates when the spec names none); a peer without a trusted key cannot
+complete the handshake."""
 
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -12,6 +14,7 @@ import zmq
 
 RID = struct.Struct("<Q")  # request id, echoed in the reply
 SENT, ABSENT, BUSY = "sent", "absent", "busy"  # BUSY: the holder lends too many slots already
+REFUSED = "refused"  # the request named (or came from) something that is not a live member
 
 
 class Announce(msgspec.Struct, tag="announce"):
@@ -56,7 +59,11 @@ class Holds(msgspec.Struct, tag="holds"):
 
 
 class NixlHello(msgspec.Struct, tag="nixl_hello"):
-    """Your NIXL agent metadata, please (empty when you have none)."""
+    """Your NIXL agent metadata, please (empty when you have none, or when `asker`, the
+    asking agent's peer endpoint, is not a live member of the tier connecting from that
+    endpoint's address)."""
+
+    asker: str = ""
 
 
 class Lend(msgspec.Struct, tag="lend"):
@@ -88,29 +95,53 @@ decode_loan = msgspec.msgpack.Decoder(Loan).decode
 decode_statuses = msgspec.msgpack.Decoder(list[str]).decode
 
 
-def load_keys(directory: Path) -> tuple[bytes, bytes]:
+@dataclass(frozen=True)
+class KeyRing:
+    """This agent's CURVE key pair (it serves and dials with it) and the public keys it
+    trusts: its own, plus those `trusted.keys` lists (one Z85 key a line) while a new pair is
+    rolled out. A peer is let in, and dialled, only with a trusted key."""
+
+    public: bytes
+    secret: bytes
+    trusted: frozenset[bytes]
+
+
+def load_keys(directory: Path) -> KeyRing:
     public = (directory / "public.key").read_bytes().strip()
     secret = (directory / "secret.key").read_bytes().strip()
-    return public, secret
+    extra = directory / "trusted.keys"
+    listed = extra.read_bytes().split() if extra.exists() else []
+    return KeyRing(public, secret, frozenset([public, *listed]))
 
 
-def write_keys(directory: Path) -> None:
-    """A new cluster key pair (what the operator's Secret holds)."""
+def write_keys(directory: Path, trusted: list[bytes] | None = None) -> bytes:
+    """A new key pair (what the operator's Secret holds), and the extra keys trusted; returns
+    the public key."""
     public, secret = zmq.curve_keypair()
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "public.key").write_bytes(public)
     (directory / "secret.key").write_bytes(secret)
+    if trusted:
+        (directory / "trusted.keys").write_bytes(b"\n".join(trusted) + b"\n")
+    return public
 
 
-def secure_client(sock: zmq.Socket[bytes], keys: tuple[bytes, bytes] | None) -> None:
+def secure_client(sock: zmq.Socket[bytes], keys: KeyRing | None, server_key: bytes) -> None:
+    """Dial with this agent's key pair a peer serving with `server_key`."""
     if keys is not None:
-        public, secret = keys
-        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, public
+        sock.curve_publickey, sock.curve_secretkey = keys.public, keys.secret
+        sock.curve_serverkey = server_key
 
 
-class OnlyKey:
-    def __init__(self, public: bytes) -> None:
-        self.public = public  # Z85, as the authenticator hands client keys over
+class TrustedKeys:
+    """The authenticator's check of a connecting peer's public key; refusals counted."""
+
+    def __init__(self, trusted: frozenset[bytes]) -> None:
+        self.trusted = trusted  # Z85, as the authenticator hands client keys over
+        self.refused = 0
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return bool(key == self.public)
+        if key in self.trusted:
+            return True
+        self.refused += 1
+        return False
