@@ -4,6 +4,7 @@ without a cluster. The agent config is rendered and validated with the agent's o
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from typing import Any
 
@@ -13,6 +14,7 @@ from kvtier.operator.names import (
     API_VERSION,
     GROUP,
     agent_name,
+    curve_secret_name,
     dns_name,
     instance_id,
     labels,
@@ -128,11 +130,8 @@ def build_agent_config(tier: Manifest, settings: OperatorSettings) -> AgentConfi
                         "bind": f"tcp://0.0.0.0:{peer.get('port', 5557)}",
                         "dataPath": data_path(peer.get("transports", ["nixl", "zmq"])),
                         "maxLentChunks": peer.get("maxLentChunks", 256),
-                        **(
-                            {"curveKeyDir": f"{CURVE_MOUNT}/{entry['name']}"}
-                            if "curveKeySecret" in peer
-                            else {}
-                        ),
+                        # always authenticated: the named Secret, or the one made for it
+                        "curveKeyDir": f"{CURVE_MOUNT}/{entry['name']}",
                     },
                 }
             )
@@ -177,18 +176,47 @@ def build_configmap(tier: Manifest, config: AgentConfig) -> Manifest:
     }
 
 
+def curve_secret(tier: Manifest, entry: Manifest) -> str:
+    """The Secret a peer tier's agents authenticate with: the one the spec names, else the
+    one the operator creates (`build_curve_secret`)."""
+    named: str | None = entry["peer"].get("curveKeySecret", {}).get("name")
+    return named or curve_secret_name(tier["metadata"]["name"], entry["name"])
+
+
+def generated_curve_secrets(tier: Manifest) -> list[tuple[str, str]]:
+    """(tier entry, Secret name) of the peer tiers whose spec names no key Secret."""
+    return [
+        (entry["name"], curve_secret(tier, entry))
+        for entry in tier["spec"].get("tiers", [])
+        if "peer" in entry and "curveKeySecret" not in entry["peer"]
+    ]
+
+
+def build_curve_secret(tier: Manifest, name: str, public: bytes, secret: bytes) -> Manifest:
+    """A peer tier's CURVE key pair (Z85). Created once, when missing, never re-applied:
+    the keys are random, and a rotation edits the Secret (docs/upgrading.md)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(tier, name),
+        "data": {
+            "public.key": base64.b64encode(public).decode(),
+            "secret.key": base64.b64encode(secret).decode(),
+        },
+    }
+
+
 def _secret_files(
-    volume: str, secret: str, keys: list[str], path: str
+    volume: str, secret: str, keys: list[str] | None, path: str
 ) -> tuple[Manifest, Manifest]:
-    """A Secret's keys as read-only files: credentials are never in env or config."""
+    """A Secret's keys as read-only files: credentials are never in env or config. `keys`
+    None: every key the Secret has (a CURVE Secret may list extra trusted keys)."""
+    items = {} if keys is None else {"items": [{"key": k, "path": k} for k in keys]}
     return (
         {
             "name": volume,
-            "secret": {
-                "secretName": secret,
-                "defaultMode": 0o400,
-                "items": [{"key": k, "path": k} for k in keys],
-            },
+            "secret": {"secretName": secret, "defaultMode": 0o400, **items},
         },
         {"name": volume, "mountPath": path, "readOnly": True},
     )
@@ -196,7 +224,6 @@ def _secret_files(
 
 # (tier backend, its Secret field, volume prefix, the Secret's keys, where they are mounted)
 _SECRET_FILES = [
-    ("peer", "curveKeySecret", "curve", ["public.key", "secret.key"], CURVE_MOUNT),
     ("objectStore", "credentialsSecret", "s3", ["accessKeyId", "secretAccessKey"], S3_MOUNT),
 ]
 
@@ -213,6 +240,12 @@ def _tier_volumes(tier: Manifest) -> tuple[list[Manifest], list[Manifest]]:
             claim = fs["pvc"]["claimName"] if "pvc" in fs else nfs_claim_name(tier, name)
             volumes.append({"name": f"tier-{name}", "persistentVolumeClaim": {"claimName": claim}})
             mounts.append({"name": f"tier-{name}", "mountPath": f"{TIER_MOUNT}/{name}"})
+        if "peer" in entry:
+            volume, mount = _secret_files(
+                f"curve-{name}", curve_secret(tier, entry), None, f"{CURVE_MOUNT}/{name}"
+            )
+            volumes.append(volume)
+            mounts.append(mount)
         for backend, field, prefix, keys, root in _SECRET_FILES:
             if field in entry.get(backend, {}):
                 volume, mount = _secret_files(

@@ -15,6 +15,11 @@ def agent_name(tier: str) -> str:
     return dns_name(f"kvtier-{tier}")
 
 
+def curve_secret_name(tier: str, entry: str) -> str:
+    """The CURVE key pair Secret the operator creates for a peer tier whose spec names none."""
+    return dns_name(f"kvtier-{tier}-{entry}-curve", 253)
+
+
 def instance_id(namespace: str, tier: str) -> str:
     """Unique per tier on a node: names the pool file and the socket directory, so tiers
     of the same name in two namespaces never collide."""

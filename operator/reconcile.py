@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import zmq
 from lightkube.types import PatchType
 
 from kvtier.agent.config import ConfigError
@@ -20,7 +21,11 @@ from kvtier.kube import (
     resource_of,
     to_object,
 )
-from kvtier.operator.builders import build_children
+from kvtier.operator.builders import (
+    build_children,
+    build_curve_secret,
+    generated_curve_secrets,
+)
 from kvtier.operator.ownership import upgrade_patch
 from kvtier.operator.settings import OperatorSettings
 
@@ -71,13 +76,28 @@ async def check_references(client: AsyncClient, tier: Manifest) -> None:
         raise ConfigError(problems)
 
 
+async def ensure_curve_secrets(client: AsyncClient, tier: Manifest) -> list[str]:
+    """Create the CURVE key pair Secret of each peer tier whose spec names none, so every
+    peer tier is authenticated. Only when missing: an existing one (perhaps mid-rotation)
+    is left as it is."""
+    actions = []
+    namespace = tier["metadata"]["namespace"]
+    for _, name in generated_curve_secrets(tier):
+        if await fetch(client, "v1", "Secret", namespace, name) is None:
+            public, secret = zmq.curve_keypair()
+            manifest = build_curve_secret(tier, name, public, secret)
+            await client.apply(to_object(manifest), field_manager=FIELD_MANAGER, force=True)
+            actions.append("created Secret")
+    return actions
+
+
 async def ensure_children(
     client: AsyncClient, tier: Manifest, settings: OperatorSettings
 ) -> list[str]:
     """Make the children match the resource; returns what was done, e.g. 'created DaemonSet'.
     Raises ConfigError before touching anything when the spec cannot be rendered."""
     await check_references(client, tier)
-    actions = []
+    actions = await ensure_curve_secrets(client, tier)
     for child in build_children(tier, settings):
         kind, meta = child["kind"], child["metadata"]
         resource = resource_of(child["apiVersion"], kind)
