@@ -9,6 +9,14 @@ into a cache miss. After a timeout the socket is rebuilt, so a late reply from a
 agent can never be taken for the answer to a later request. Every OS error of connecting or
 mapping the pool is an AgentUnavailable too: a client that cannot reach the pool gets misses.
 
+Lookups of the host pool are answered in this process from the index the agent publishes
+beside the pool (see shm_index.py), with no round trip; what was looked up goes to the agent
+afterwards as a one-way Lookup from a reporting thread, so its hit counts, the eviction
+order's recency and its access log see every lookup. A hit is a hint: the chunk may be
+evicted before it is leased, and the lease then says MISS. Lookups that may need the
+secondary tiers (some key missed the pool, the agent has tiers) or name a source still ask
+the agent.
+
 A client says hello before anything else, and again whenever the agent answers that its
 connection is not registered (the agent restarted, or the socket was rebuilt): lookups and
 new leases then go through, while a commit of a lease granted before fails with LeaseLost,
@@ -21,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import queue
 import struct
 import threading
 import time
@@ -37,6 +46,7 @@ import zmq
 from kvtier.agent import protocol as p
 from kvtier.agent.liveness import ClientLock
 from kvtier.agent.pool import Bytes, PoolMap
+from kvtier.agent.shm_index import TableReader, digest, digests, index_path
 
 _RID = struct.Struct("<Q")
 
@@ -109,7 +119,10 @@ class AgentClient:
         self._io_lock = threading.Lock()
         self._lock: ClientLock | None = None
         self.pool: PoolMap | None = None
+        self.index: TableReader | None = None
         self.hello: p.HelloReply | None = None
+        self._reports: queue.SimpleQueue[p.Lookup | None] = queue.SimpleQueue()
+        self._reporter: threading.Thread | None = None
 
     # --- connection ----------------------------------------------------------------------
 
@@ -145,8 +158,35 @@ class AgentClient:
         if (geometry.payload_bytes, geometry.slot_count) != (reply.payload_bytes, reply.slot_count):
             raise AgentUnavailable(f"pool {path} does not have the geometry the agent announced")
         self.hello = reply
+        self._open_index(path, reply.boot)
+
+    def _open_index(self, pool_path: Path, boot: int) -> None:
+        """Map the agent's published index, if this agent process publishes one; without it
+        (an older agent, a file this client cannot read) lookups ask the agent."""
+        index = self.index
+        if index is not None and index.boot == boot and not index.retired:
+            return
+        self.index = None
+        if index is not None:
+            index.close()
+        try:
+            fresh = TableReader(index_path(pool_path))
+        except (OSError, ValueError):
+            return
+        if fresh.boot != boot or fresh.retired:
+            fresh.close()
+            return
+        self.index = fresh
 
     def close(self) -> None:
+        reporter = self._reporter
+        if reporter is not None:
+            self._reports.put(None)
+            reporter.join(timeout=self.timeout)
+            self._reporter = None
+        if self.index is not None:
+            self.index.close()
+            self.index = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -177,9 +217,65 @@ class AgentClient:
     # --- control calls -------------------------------------------------------------------
 
     def lookup(self, namespace: str, keys: Sequence[bytes], source: str = "") -> LookupResult:
-        """`source`: the peer endpoint of an agent known to hold the chunks (direct mode)."""
-        reply = self._call(p.Lookup(namespace, list(keys), source), p.LookupReply)
+        """Which keys a tier holds. The pool's chunks are found in the published index
+        without a round trip; the agent is asked when a key missed the pool and it has
+        secondary tiers, or when `source` names the peer endpoint of an agent known to hold
+        the chunks (direct mode)."""
+        keys = list(keys)
+        index = self._live_index()
+        if index is not None and not source and keys:
+            slots, _ = index.find(digests(namespace, keys))
+            held = slots >= 0
+            hello = self.hello
+            if held.all() or (hello is not None and not hello.tiers):
+                hits = held.tolist()
+                self.report(namespace, keys)
+                prefix = len(keys) if held.all() else int(held.argmin())
+                return LookupResult(hits, prefix, [0 if h else -1 for h in hits])
+        reply = self._call(p.Lookup(namespace, keys, source), p.LookupReply)
         return LookupResult(reply.hits, reply.prefix, reply.where)
+
+    def find(self, namespace: str, key: bytes) -> bool | None:
+        """Whether the pool holds one key, from the published index (None when there is no
+        index to ask: then only the agent can say). Not reported: see `report`."""
+        index = self._live_index()
+        if index is None:
+            return None
+        return index.find_one(digest(namespace, key))[0] >= 0
+
+    def report(self, namespace: str, keys: list[bytes]) -> None:
+        """Tell the agent, one way and off this thread, that these keys were looked up (one
+        request's keys in order): it counts hits and misses, refreshes the hits' recency
+        and logs the request, as if it had answered the lookup itself."""
+        if not keys:
+            return
+        if self._reporter is None:
+            self._reporter = threading.Thread(
+                target=self._report_loop, name="kvtier-report", daemon=True
+            )
+            self._reporter.start()
+        self._reports.put(p.Lookup(namespace, keys))
+
+    def _report_loop(self) -> None:
+        while (report := self._reports.get()) is not None:
+            self._send(report)
+
+    def _live_index(self) -> TableReader | None:
+        """The published index while it is this agent process's; a retired one (the agent
+        restarted) is dropped and the next call says hello again, which maps the new one."""
+        index = self.index
+        if index is not None and not index.alive():
+            return None  # the agent is gone: only a new one can say what the pool holds
+        if index is not None and index.retired:
+            with self._io_lock:
+                if self.index is index:
+                    self.index = None
+                    self.hello = None
+                    index.close()
+            with contextlib.suppress(AgentUnavailable):
+                self.connect()
+            index = self.index
+        return index
 
     def allocate(
         self,

@@ -35,6 +35,7 @@ from kvtier.agent.index import BUSY, EXISTS, FULL, MISS, Entry, HostIndex
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
 from kvtier.agent.pool import PoolGeometry, create_or_reuse, slot_payload_bytes
+from kvtier.agent.shm_index import TableWriter, index_path
 
 log = logging.getLogger("kvtier.agent.host")
 
@@ -59,11 +60,15 @@ class HostTier:
         self.lease_seconds = lease_seconds
         geometry = PoolGeometry(slot_payload_bytes(config.chunk_bytes), config.slot_count)
         self.pool, reused = create_or_reuse(pool_path, geometry, populate=config.prefault)
+        # Clients read it to answer lookups themselves; a fresh one per agent process (the
+        # one it replaces is marked retired, so its readers reconnect).
+        self.table = TableWriter(index_path(pool_path), geometry.slot_count, boot)
         self.index = HostIndex(
             geometry.slot_count,
             make_policy(config.policy, geometry.slot_count),
             boot,
             rest_seconds=lease_seconds,
+            table=self.table,
         )
         self.lock = threading.Lock()
         self._promoting = 0  # slots reserved by promotions in flight (lock held)
@@ -142,22 +147,26 @@ class HostTier:
         """Publish a store lease's chunks and queue them for sealing. A slot whose header or
         generation is not the one its allocation wrote was written over by someone else: it
         is dropped and counted, never published."""
+
+        def claimed(entry: Entry) -> bool:
+            ns, key = entry.id
+            header = ChunkHeader.unpack(self.pool.header(entry.slot).data)
+            if (
+                header == ChunkHeader(ns, key, 0, 0, SlotState.WRITING)
+                and self.pool.generation(entry.slot) == entry.generation
+            ):
+                return True
+            self._count_corrupt(f"slot {entry.slot} was overwritten during its store")
+            return False
+
         with self.lock:
-            entries = self.index.commit(lease, client)
-            kept = []
-            for entry in entries:
+            kept = self.index.commit(lease, client, claimed)
+            for entry in kept:
                 ns, key = entry.id
-                header = ChunkHeader.unpack(self.pool.header(entry.slot).data)
-                claimed = ChunkHeader(ns, key, 0, 0, SlotState.WRITING)
-                if header != claimed or self.pool.generation(entry.slot) != entry.generation:
-                    self.index.remove(entry)
-                    self._count_corrupt(f"slot {entry.slot} was overwritten during its store")
-                    continue
                 self._write_header(
                     entry.slot, ChunkHeader(ns, key, entry.length, 0, SlotState.WRITING)
                 )
                 self.index.pin(entry)
-                kept.append(entry)
         for entry in kept:
             self._seal_queue.put(entry)
         self._store_bytes.inc(sum(e.length for e in kept))
@@ -243,6 +252,8 @@ class HostTier:
                 "leases_expired": c.leases_expired,
                 "leases_reclaimed": c.leases_reclaimed,
                 "corrupt": self.corrupt,
+                "index_published": self.table.entries,
+                "index_collisions": self.table.collisions,
                 "namespaces": dict(c.namespaces),
                 **self.index.policy.describe(),
             }
@@ -251,6 +262,9 @@ class HostTier:
         self._seal_queue.put(None)
         self._verifier.shutdown(wait=False)
         self._sealer.join(timeout=10)
+        with self.lock:
+            self.index.table = None
+            self.table.close()
         self.pool.close()
 
     # --- internals -------------------------------------------------------------------------

@@ -8,6 +8,10 @@ lock; nothing here blocks. A refused call raises before it changes anything.
 Lease ids and slot generations carry the agent's boot id in their upper 32 bits, so no id
 or generation handed out by an earlier agent process can match one of this process's.
 
+With a `table` (see shm_index.py), every ready chunk is also published there for clients to
+find without asking: it is published when it becomes ready and withdrawn before its slot can
+go to another chunk, so a table entry never names a slot being rewritten.
+
 The slot of a store lease that expired rests for `rest_seconds` before it is used again (and
 so do slots an earlier agent process had handed to writers, see `rest`): its writer may
 still be copying into it, and would otherwise alter the chunk the slot holds next.
@@ -18,12 +22,14 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.events import ChunkEvents
 from kvtier.agent.policy import ChunkId, EvictionPolicy
+from kvtier.agent.shm_index import TableWriter, digest
 
 # Per-key answers of `allocate` that are not slot numbers.
 EXISTS = -1  # already held: the store is a duplicate and is skipped
@@ -55,6 +61,7 @@ class Entry:
     hits: int = 0
     checksum: int | None = None  # set once sealed: the bytes are complete and verified
     generation: int = 0  # the slot's stamp while it holds this chunk
+    published: int = 0  # its digest in the shared table, 0 while not published there
 
     def header(self) -> ChunkHeader:
         assert self.checksum is not None, "only a sealed chunk has a full header"
@@ -83,9 +90,15 @@ class IndexCounters:
 
 class HostIndex:
     def __init__(
-        self, slot_count: int, policy: EvictionPolicy, boot: int = 0, rest_seconds: float = 0.0
+        self,
+        slot_count: int,
+        policy: EvictionPolicy,
+        boot: int = 0,
+        rest_seconds: float = 0.0,
+        table: TableWriter | None = None,
     ) -> None:
         self.slot_count = slot_count
+        self.table = table
         self.policy = policy
         self.rest_seconds = rest_seconds
         self._resting: list[tuple[float, int]] = []  # (until, slot)
@@ -232,14 +245,23 @@ class HostIndex:
             ]
         )
 
-    def commit(self, lease_id: int, client: str) -> list[Entry]:
-        """Make a store lease's chunks readable; returns them for sealing."""
+    def commit(
+        self, lease_id: int, client: str, keep: Callable[[Entry], bool] | None = None
+    ) -> list[Entry]:
+        """Make a store lease's chunks readable; returns them for sealing. A chunk `keep`
+        refuses (its slot was written over) is dropped before anyone can see it."""
         lease = self._take(lease_id, client, "store")
+        kept = []
         for entry in lease.entries:
-            entry.state = EntryState.READY
             entry.pins -= 1
+            if keep is not None and not keep(entry):
+                self._by_ns[entry.id[0]].pop(entry.id[1], None)
+                self._free.append(entry.slot)
+                continue
+            entry.state = EntryState.READY
             self._make_ready(entry)
-        return lease.entries
+            kept.append(entry)
+        return kept
 
     def abort(self, lease_id: int, client: str) -> None:
         self._release(self._take(lease_id, client, "store"))
@@ -398,9 +420,16 @@ class HostIndex:
         self.policy.on_insert(entry.id)
         self.counters.namespaces[ns] += 1
         self.events.record(ns, key, removed=False)
+        if self.table is not None:
+            d = digest(ns, key)
+            if self.table.put(d, entry.slot, entry.generation):
+                entry.published = d
 
     def _forget(self, entry: Entry) -> None:
         ns, key = entry.id
+        if entry.published and self.table is not None:
+            self.table.remove(entry.published)
+            entry.published = 0
         del self._by_ns[ns][key]
         del self._ready[ns][key]
         self.events.record(ns, key, removed=True)
