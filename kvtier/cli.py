@@ -8,7 +8,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -156,142 +157,98 @@ def _plan(args: argparse.Namespace) -> int:
     return plan_main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvtier",
-        description="A node-shared, tiered KV cache for vLLM on Kubernetes.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    agent = sub.add_parser(
-        "agent",
-        help="run the node agent",
-        description="Run the node agent: the node's shared host-memory KV tier. "
-        "Stops cleanly on SIGTERM; the pool stays for a warm restart.",
-    )
-    agent.add_argument("--config", required=True, type=Path, help="agent config YAML")
-    agent.add_argument(
+def _agent_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, type=Path, help="agent config YAML")
+    parser.add_argument(
         "--check",
         action="store_true",
         help="validate the config (and its directories), print it with defaults, and exit",
     )
-    agent.set_defaults(func=_agent)
 
-    csi = sub.add_parser(
-        "csi",
-        help="run the CSI node plugin (csi.kvtier.io)",
-        description="Run the CSI node plugin that gives pods their tier's node-local "
-        "directory (a size-limited tmpfs) as an ephemeral inline volume. Needs root and "
-        "the mount capability: the chart runs it as the one privileged kvtier component.",
-    )
-    csi.add_argument("--endpoint", default="unix:///csi/csi.sock", help="gRPC endpoint")
-    csi.add_argument("--node-id", required=True, help="this node's name")
-    csi.add_argument(
+
+def _csi_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--endpoint", default="unix:///csi/csi.sock", help="gRPC endpoint")
+    parser.add_argument("--node-id", required=True, help="this node's name")
+    parser.add_argument(
         "--state-dir", type=Path, default=Path("/var/lib/kvtier/csi"), help="tier tmpfs mounts"
     )
-    csi.add_argument(
+    parser.add_argument(
         "--target-root",
         type=Path,
         default=Path("/var/lib/kubelet/pods"),
         help="the only directory volumes are published under",
     )
-    csi.add_argument(
+    parser.add_argument(
         "--legacy-dir",
         type=Path,
         default=None,
         help="where earlier versions kept pools (a hostPath); emptied and removed at start",
     )
-    csi.add_argument("--sweep-seconds", type=float, default=30.0, help="freeing deleted tiers")
-    csi.set_defaults(func=_csi)
+    parser.add_argument("--sweep-seconds", type=float, default=30.0, help="freeing deleted tiers")
 
-    operator = sub.add_parser(
-        "operator",
-        help="run the Kubernetes operator",
-        description="Run the kopf operator: reconciles KVCacheTier resources into agents, "
-        "aggregates KVCacheNode reports into status, and serves the pod-injection webhook. "
-        "Settings come from KVTIER_* environment variables (see kvtier.operator.settings).",
-    )
-    operator.add_argument(
+
+def _operator_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--namespace",
         action="append",
         default=[],
         help="watch only this namespace (repeatable; default: all namespaces)",
     )
-    operator.add_argument("--health-port", type=int, default=8080, help="liveness probe port")
-    operator.add_argument("--verbose", action="store_true", help="log every watch event")
-    operator.set_defaults(func=_operator)
+    parser.add_argument("--health-port", type=int, default=8080, help="liveness probe port")
+    parser.add_argument("--verbose", action="store_true", help="log every watch event")
 
-    vllm_config = sub.add_parser(
-        "vllm-config",
-        help="print the --kv-transfer-config for vLLM engines on an agent's node",
-        description="Print the --kv-transfer-config JSON that connects a vLLM engine to the "
-        "agent described by a config file (what the operator injects into pods).",
-    )
-    vllm_config.add_argument("--config", required=True, type=Path, help="agent config YAML")
-    vllm_config.add_argument(
+
+def _vllm_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, type=Path, help="agent config YAML")
+    parser.add_argument(
         "--cpu-bytes", default="4Gi", help="vLLM's own per-engine host buffer (default 4Gi)"
     )
-    vllm_config.add_argument(
+    parser.add_argument(
         "--compact", action="store_true", help="one line, ready for --kv-transfer-config"
     )
-    vllm_config.set_defaults(func=_vllm_config)
 
-    peer_keys = sub.add_parser(
-        "peer-keys",
-        help="write a new CURVE key pair for the peer tier",
-        description="Write the cluster's CURVE key pair (public.key, secret.key, Z85) that "
-        "agents of a tier authenticate each other with; refuses to overwrite a secret key.",
-    )
-    peer_keys.add_argument("directory", type=Path, help="where to write the two key files")
-    peer_keys.set_defaults(func=_peer_keys)
 
-    demo = sub.add_parser(
-        "demo",
-        help="run an agent against a synthetic multi-turn chat workload",
-        description="Start an agent and several client processes replaying multi-turn chats "
-        "with shared system prompts, then report hit rate, bytes moved, evictions and the "
-        "prefill tokens that cache hits avoided.",
-    )
-    demo.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
-    demo.add_argument(
+def _peer_keys_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", type=Path, help="where to write the two key files")
+
+
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
+    parser.add_argument(
         "--conversations", type=int, default=3, help="conversations per client (default 3)"
     )
-    demo.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
-    demo.add_argument(
+    parser.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
+    parser.add_argument(
         "--policy", choices=["lru", "arc", "prefix"], default="lru", help="eviction policy"
     )
-    demo.add_argument("--capacity", default="12Mi", help="host pool capacity (default 12Mi)")
-    demo.add_argument(
+    parser.add_argument("--capacity", default="12Mi", help="host pool capacity (default 12Mi)")
+    parser.add_argument(
         "--fs-dir",
         type=Path,
         default=Path(".scratch/demo-fs"),
         help="directory of the demo's filesystem tier, emptied before and after the run "
         "(default .scratch/demo-fs)",
     )
-    demo.add_argument("--no-fs", action="store_true", help="run with the host tier alone")
-    demo.add_argument(
+    parser.add_argument("--no-fs", action="store_true", help="run with the host tier alone")
+    parser.add_argument(
         "--vllm-python",
         type=Path,
         default=None,
         help="also run two vLLM engines sharing one agent, with this vLLM environment's "
         "Python (make demo passes .venv-vllm/bin/python)",
     )
-    demo.add_argument(
+    parser.add_argument(
         "--plot",
         type=Path,
         default=None,
         metavar="FILE.png",
         help="draw hit rate by tier and occupancy over the run into a PNG",
     )
-    demo.add_argument("--json", action="store_true", help="print the report as JSON")
-    demo.set_defaults(func=_demo)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    bench = sub.add_parser(
-        "bench",
-        help="measure throughput and latency against raw baselines",
-        description="Benchmarks report ratios against a baseline measured in the same run.",
-    )
-    bench.add_argument(
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "target",
         choices=["host", "tiers", "peers", "vllm", "csi"],
         help="host: the client<->agent pool path; tiers: filesystem and S3 tiers; "
@@ -299,130 +256,225 @@ def build_parser() -> argparse.ArgumentParser:
         "vllm: kvtier vs vLLM's native fs tier inside vLLM's tiering manager; "
         "csi: the CSI plugin's publish latency and the pool through its volume (root)",
     )
-    bench.add_argument("--quick", action="store_true", help="short run (under a minute)")
-    bench.add_argument("--json", action="store_true", help="print the results as JSON")
-    bench.add_argument(
+    parser.add_argument("--quick", action="store_true", help="short run (under a minute)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
         "--out", type=Path, default=None, help="write JSON here (default .scratch/bench/)"
     )
-    bench.set_defaults(func=_bench)
 
-    replay = sub.add_parser(
-        "replay",
-        help="replay a request trace through the host tier's index at several capacities",
-        description="Replay a Mooncake-format JSONL trace (timestamp, input_length, hash_ids; "
-        "gzip accepted) through the agent's own index and eviction policies, and report per "
-        "capacity and policy the hit rate as vLLM sees it (hit prompt tokens up to a "
-        "request's first miss / prompt tokens, over the last half of the requests, as "
-        "kvcache-simulator counts it), the block hit rate beside it, and the offline optimal.",
-    )
-    replay.add_argument("trace", type=Path, help="trace file (.jsonl or .jsonl.gz)")
-    replay.add_argument(
+
+def _replay_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", type=Path, help="trace file (.jsonl or .jsonl.gz)")
+    parser.add_argument(
         "--capacity", default=None, help="comma-separated pool sizes, e.g. 8Gi,32Gi,128Gi"
     )
-    replay.add_argument(
+    parser.add_argument(
         "--block-bytes", default=None, help="bytes of one block's KV (64Mi: Llama-3.1-8B bf16)"
     )
-    replay.add_argument(
+    parser.add_argument(
         "--bytes-per-token",
         default=None,
         help="a model's KV bytes per token (128Ki: Llama-3.1-8B bf16), times the block size",
     )
-    replay.add_argument("--blocks", default=None, help="comma-separated capacities in blocks")
-    replay.add_argument(
+    parser.add_argument("--blocks", default=None, help="comma-separated capacities in blocks")
+    parser.add_argument(
         "--policy",
         default="lru,arc,prefix,optimal",
         help="comma-separated: lru, arc, prefix, optimal",
     )
-    replay.add_argument(
+    parser.add_argument(
         "--block-size",
         type=int,
         default=None,
         help="tokens per hash id for records without block_size (default 512)",
     )
-    replay.add_argument("--limit", type=int, default=None, help="replay the first N requests")
-    replay.add_argument(
+    parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    parser.add_argument(
         "--agent",
         default=None,
         metavar="ADDR",
         help="replay against this live agent (its pool, policy and tiers) with real chunk "
         "bytes, instead of the index at each capacity",
     )
-    replay.add_argument(
+    parser.add_argument(
         "--chunk-bytes", default="64Ki", help="row size with --agent (the agent's chunkBytes)"
     )
-    replay.add_argument(
+    parser.add_argument(
         "--namespace", default=None, help="namespace with --agent (default: a fresh one)"
     )
-    replay.add_argument(
+    parser.add_argument(
         "--plot",
         type=Path,
         default=None,
         metavar="FILE.png",
         help="draw hit rate against capacity, one line per policy, the optimal bound shaded",
     )
-    replay.add_argument("--json", action="store_true", help="print the report as JSON")
-    replay.set_defaults(func=_replay)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    trace = sub.add_parser(
-        "trace",
-        help="export an agent's access log as a Mooncake-format trace",
-        description="Export the requests the agent's access log holds (key digests renumbered, "
-        "timestamps, no content) as JSONL that kvtier replay and kvtier plan read. Talks to "
-        "the agent's local socket only; kubectl kvtier trace runs it in the agent's pod.",
-    )
-    where = trace.add_mutually_exclusive_group(required=True)
+
+def _trace_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--agent", default=None, metavar="ADDR", help="ipc://PATH of the agent")
     where.add_argument("--config", type=Path, default=None, help="the agent's config YAML")
-    trace.add_argument(
+    parser.add_argument(
         "-o", "--output", default="-", help="JSONL file (.gz: gzip), - for stdout (default)"
     )
-    trace.add_argument(
+    parser.add_argument(
         "--block-size",
         type=int,
         default=16,
         help="tokens per chunk, for input_length (vLLM's offloading block size; default 16)",
     )
-    trace.add_argument("--timeout", type=float, default=10.0, help="seconds per agent call")
-    trace.set_defaults(func=_trace)
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per agent call")
 
-    plan = sub.add_parser(
-        "plan",
-        help="recommend host and secondary-tier capacity from a trace",
-        description="Replay a trace (a file, or an agent's export) at capacities from one "
-        "chunk to the trace's whole working set, print the hit-rate curve and its knee, and "
-        "recommend host capacity per node and secondary-tier capacity for a target hit rate "
-        "or a memory budget.",
-    )
-    plan.add_argument("trace", type=Path, help="trace file (.jsonl or .jsonl.gz)")
-    goal = plan.add_mutually_exclusive_group()
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", type=Path, help="trace file (.jsonl or .jsonl.gz)")
+    goal = parser.add_mutually_exclusive_group()
     goal.add_argument(
         "--target-hit-rate", type=float, default=None, help="e.g. 0.3 (hit prompt tokens)"
     )
     goal.add_argument("--memory-budget", default=None, help="host bytes per node, e.g. 256Gi")
-    plan.add_argument(
+    parser.add_argument(
         "--block-bytes",
         default=None,
         help="bytes of one chunk (default: the export's chunk_bytes; 64Mi for 512-token "
         "Llama-3.1-8B blocks)",
     )
-    plan.add_argument(
+    parser.add_argument(
         "--bytes-per-token", default=None, help="a model's KV bytes per token (128Ki: Llama-3.1-8B)"
     )
-    plan.add_argument(
+    parser.add_argument(
         "--policy", default="prefix", help="the host tier's policy (lru, arc, prefix)"
     )
-    plan.add_argument("--points", type=int, default=12, help="capacities on the curve")
-    plan.add_argument(
+    parser.add_argument("--points", type=int, default=12, help="capacities on the curve")
+    parser.add_argument(
         "--sample-rate",
         type=float,
         default=None,
         help="the trace's sampling of requests (default: the export's, else 1)",
     )
-    plan.add_argument("--block-size", type=int, default=None, help="as for kvtier replay")
-    plan.add_argument("--limit", type=int, default=None, help="the first N requests")
-    plan.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="draw the curve")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    plan.set_defaults(func=_plan)
+    parser.add_argument("--block-size", type=int, default=None, help="as for kvtier replay")
+    parser.add_argument("--limit", type=int, default=None, help="the first N requests")
+    parser.add_argument(
+        "--plot", type=Path, default=None, metavar="FILE.png", help="draw the curve"
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its flags, the function it hands over to, and its help texts."""
+
+    name: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    help: str
+    description: str
+
+
+COMMANDS = (
+    Command(
+        "agent",
+        _agent_arguments,
+        _agent,
+        help="run the node agent",
+        description="Run the node agent: the node's shared host-memory KV tier. "
+        "Stops cleanly on SIGTERM; the pool stays for a warm restart.",
+    ),
+    Command(
+        "csi",
+        _csi_arguments,
+        _csi,
+        help="run the CSI node plugin (csi.kvtier.io)",
+        description="Run the CSI node plugin that gives pods their tier's node-local "
+        "directory (a size-limited tmpfs) as an ephemeral inline volume. Needs root and "
+        "the mount capability: the chart runs it as the one privileged kvtier component.",
+    ),
+    Command(
+        "operator",
+        _operator_arguments,
+        _operator,
+        help="run the Kubernetes operator",
+        description="Run the kopf operator: reconciles KVCacheTier resources into agents, "
+        "aggregates KVCacheNode reports into status, and serves the pod-injection webhook. "
+        "Settings come from KVTIER_* environment variables (see kvtier.operator.settings).",
+    ),
+    Command(
+        "vllm-config",
+        _vllm_config_arguments,
+        _vllm_config,
+        help="print the --kv-transfer-config for vLLM engines on an agent's node",
+        description="Print the --kv-transfer-config JSON that connects a vLLM engine to the "
+        "agent described by a config file (what the operator injects into pods).",
+    ),
+    Command(
+        "peer-keys",
+        _peer_keys_arguments,
+        _peer_keys,
+        help="write a new CURVE key pair for the peer tier",
+        description="Write the cluster's CURVE key pair (public.key, secret.key, Z85) that "
+        "agents of a tier authenticate each other with; refuses to overwrite a secret key.",
+    ),
+    Command(
+        "demo",
+        _demo_arguments,
+        _demo,
+        help="run an agent against a synthetic multi-turn chat workload",
+        description="Start an agent and several client processes replaying multi-turn chats "
+        "with shared system prompts, then report hit rate, bytes moved, evictions and the "
+        "prefill tokens that cache hits avoided.",
+    ),
+    Command(
+        "bench",
+        _bench_arguments,
+        _bench,
+        help="measure throughput and latency against raw baselines",
+        description="Benchmarks report ratios against a baseline measured in the same run.",
+    ),
+    Command(
+        "replay",
+        _replay_arguments,
+        _replay,
+        help="replay a request trace through the host tier's index at several capacities",
+        description="Replay a Mooncake-format JSONL trace (timestamp, input_length, hash_ids; "
+        "gzip accepted) through the agent's own index and eviction policies, and report per "
+        "capacity and policy the hit rate as vLLM sees it (hit prompt tokens up to a "
+        "request's first miss / prompt tokens, over the last half of the requests, as "
+        "kvcache-simulator counts it), the block hit rate beside it, and the offline optimal.",
+    ),
+    Command(
+        "trace",
+        _trace_arguments,
+        _trace,
+        help="export an agent's access log as a Mooncake-format trace",
+        description="Export the requests the agent's access log holds (key digests renumbered, "
+        "timestamps, no content) as JSONL that kvtier replay and kvtier plan read. Talks to "
+        "the agent's local socket only; kubectl kvtier trace runs it in the agent's pod.",
+    ),
+    Command(
+        "plan",
+        _plan_arguments,
+        _plan,
+        help="recommend host and secondary-tier capacity from a trace",
+        description="Replay a trace (a file, or an agent's export) at capacities from one "
+        "chunk to the trace's whole working set, print the hit-rate curve and its knee, and "
+        "recommend host capacity per node and secondary-tier capacity for a target hit rate "
+        "or a memory budget.",
+    ),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier",
+        description="A node-shared, tiered KV cache for vLLM on Kubernetes.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        child = sub.add_parser(command.name, help=command.help, description=command.description)
+        command.arguments(child)
+        child.set_defaults(func=command.run)
     return parser
 
 
