@@ -20,6 +20,7 @@ from typing import Any
 
 import jsonpatch
 
+from kvtier.agent.config import AgentConfig
 from kvtier.agent.transfer_config import build_kv_transfer_config, kv_transfer_config_arg
 from kvtier.agent.units import parse_bytes
 from kvtier.operator.builders import TIER_VOLUME, agent_image, build_agent_config, tier_volume
@@ -76,27 +77,40 @@ def _skip(pod: Manifest, tier: str, reason: str) -> Mutation:
     return Mutation(_patch(pod, _annotated(pod, {TIER: tier, SKIPPED: reason})), reason)
 
 
-def mutate_pod(pod: Manifest, tier: Manifest, settings: OperatorSettings) -> Mutation:
-    meta, spec = tier["metadata"], tier["spec"]
-    annotations = pod["metadata"].get("annotations") or {}
-    if INJECTED in annotations:
-        return Mutation(reason="already injected")
-    containers = pod["spec"].get("containers", [])
-    target = spec.get("targetContainer", "vllm")
-    index = next((i for i, c in enumerate(containers) if c.get("name") == target), None)
-    if index is None:
-        return _skip(pod, meta["name"], f"no container named {target!r}")
-    container = containers[index]
+_SHELLS = {"sh", "bash", "/bin/sh", "/bin/bash"}
+
+
+def _why_not(container: Manifest) -> str | None:
+    """Why the target container cannot be given the connector, or None when it can."""
     command, args = container.get("command", []), container.get("args", [])
     if any(str(a).startswith("--kv-transfer-config") for a in [*command, *args]):
-        return _skip(pod, meta["name"], "the container already sets --kv-transfer-config")
-    if (
-        len(command) >= 2
-        and command[0] in {"sh", "bash", "/bin/sh", "/bin/bash"}
-        and ("-c" in command)
-    ):
-        return _skip(pod, meta["name"], "the command is a shell string; pass vLLM's flags as args")
-    agent = build_agent_config(tier, settings)
+        return "the container already sets --kv-transfer-config"
+    if len(command) >= 2 and command[0] in _SHELLS and "-c" in command:
+        return "the command is a shell string; pass vLLM's flags as args"
+    return None
+
+
+def _plugin_init(image: str, settings: OperatorSettings) -> Manifest:
+    """The init container that copies the plug-in payload into the pod, as restricted
+    Pod Security requires of every container."""
+    return {
+        "name": "kvtier-plugin",
+        "image": image,
+        "command": ["cp", "-r", f"{settings.plugin_dir}/.", PLUGIN_MOUNT],
+        "volumeMounts": [{"name": "kvtier-plugin", "mountPath": PLUGIN_MOUNT}],
+        "securityContext": {
+            "runAsUser": settings.agent_uid,
+            "runAsNonRoot": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+
+
+def _connector_arg(pod: Manifest, tier: Manifest, agent: AgentConfig) -> str:
+    """The `--kv-transfer-config` value that makes the engine a client of the node's agent."""
+    spec = tier["spec"]
     vllm = spec.get("vllm", {})
     config = build_kv_transfer_config(
         agent,
@@ -104,7 +118,21 @@ def mutate_pod(pod: Manifest, tier: Manifest, settings: OperatorSettings) -> Mut
         timeout_seconds=float(vllm.get("timeoutSeconds", 2.0)),
         scope=pod["metadata"].get("namespace") if spec.get("isolation") == "namespace" else None,
     )
-    image = agent_image(tier, settings)
+    return kv_transfer_config_arg(config)
+
+
+def mutate_pod(pod: Manifest, tier: Manifest, settings: OperatorSettings) -> Mutation:
+    meta = tier["metadata"]
+    if INJECTED in (pod["metadata"].get("annotations") or {}):
+        return Mutation(reason="already injected")
+    target = tier["spec"].get("targetContainer", "vllm")
+    containers = pod["spec"].get("containers", [])
+    index = next((i for i, c in enumerate(containers) if c.get("name") == target), None)
+    if index is None:
+        return _skip(pod, meta["name"], f"no container named {target!r}")
+    if (reason := _why_not(containers[index])) is not None:
+        return _skip(pod, meta["name"], reason)
+    agent = build_agent_config(tier, settings)
     changed = _annotated(
         pod,
         {
@@ -114,7 +142,11 @@ def mutate_pod(pod: Manifest, tier: Manifest, settings: OperatorSettings) -> Mut
     )
     pod_spec = changed["spec"]
     container = pod_spec["containers"][index]
-    container["args"] = [*args, "--kv-transfer-config", kv_transfer_config_arg(config)]
+    container["args"] = [
+        *container.get("args", []),
+        "--kv-transfer-config",
+        _connector_arg(pod, tier, agent),
+    ]
     pod_spec["volumes"] = [
         *pod_spec.get("volumes", []),
         tier_volume(tier),
@@ -129,19 +161,7 @@ def mutate_pod(pod: Manifest, tier: Manifest, settings: OperatorSettings) -> Mut
     security = pod_spec.setdefault("securityContext", {})
     group = tier_group(meta["namespace"], meta["name"])
     security["supplementalGroups"] = [*security.get("supplementalGroups", []), group]
-    init = {
-        "name": "kvtier-plugin",
-        "image": image,
-        "command": ["cp", "-r", f"{settings.plugin_dir}/.", PLUGIN_MOUNT],
-        "volumeMounts": [{"name": "kvtier-plugin", "mountPath": PLUGIN_MOUNT}],
-        "securityContext": {
-            "runAsUser": settings.agent_uid,
-            "runAsNonRoot": True,
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-    }
+    init = _plugin_init(agent_image(tier, settings), settings)
     pod_spec["initContainers"] = [*pod_spec.get("initContainers", []), init]
     return Mutation(_patch(pod, changed))
 
