@@ -113,6 +113,53 @@ def render_status(report: dict[str, Any], console: Console) -> None:
         console.print(table)
 
 
+def _not_injected(pod: dict[str, Any], tiers: list[Any], namespace: str) -> str:
+    """Why the webhook left a pod alone: what it recorded, or what selects the pod."""
+    from kvtier.operator.webhook import SKIPPED, selects
+
+    annotations = pod["metadata"].get("annotations") or {}
+    if SKIPPED in annotations:
+        return f"not injected: {annotations[SKIPPED]}"
+    labels = pod["metadata"].get("labels") or {}
+    if any(selects(t["spec"].get("podSelector", {}), labels) for t in tiers):
+        return (
+            "not injected: created before the webhook ran or the webhook was unreachable; "
+            "recreate the pod"
+        )
+    return f"not injected: no KVCacheTier in {namespace} selects its labels {labels}"
+
+
+def _tier_reasons(tier: dict[str, Any]) -> list[str]:
+    """What the tier's own conditions say keeps its engines from sharing chunks."""
+    status = tier.get("status") or {}
+    conditions = {c["type"]: c for c in status.get("conditions", [])}
+    reasons = []
+    if conditions.get("ConfigValid", {}).get("status") == "False":
+        reasons.append(f"tier config invalid: {conditions['ConfigValid'].get('message')}")
+    if conditions.get("FingerprintConflict", {}).get("status") == "True":
+        reasons.append(f"fingerprint mismatch: {conditions['FingerprintConflict'].get('message')}")
+    return reasons
+
+
+def _agent_reasons(nodes: list[Any], tier_name: str, node_name: str | None) -> list[str]:
+    """Whether the pod's node has an agent of the tier reporting."""
+    agent = next(
+        (
+            n
+            for n in nodes
+            if n["spec"].get("tier") == tier_name and n["spec"].get("node") == node_name
+        ),
+        None,
+    )
+    if agent is None:
+        return [f"agent down: no agent of {tier_name} reports from node {node_name}"]
+    if not _fresh(read_node_status(agent), dt.datetime.now(dt.UTC)):
+        return [
+            f"agent down: the agent on {node_name} has not reported for over {STALE_SECONDS:.0f}s"
+        ]
+    return []
+
+
 def explain_miss(namespace: str, pod_name: str) -> dict[str, Any]:
     """Reasons, most fundamental first, why a pod's engine may get no hits from kvtier."""
     with _client() as client:
@@ -125,28 +172,16 @@ def explain_miss(namespace: str, pod_name: str) -> dict[str, Any]:
         tiers, nodes = _tiers_and_nodes(client, namespace)
     if pod is None:
         return {"pod": pod_name, "reasons": [f"pod {namespace}/{pod_name} not found"]}
-    from kvtier.operator.webhook import INJECTED, SKIPPED, TIER, selects
+    from kvtier.operator.webhook import INJECTED, TIER
 
     annotations = pod["metadata"].get("annotations") or {}
-    reasons: list[str] = []
     tier_name = annotations.get(TIER)
     if INJECTED not in annotations:
-        if SKIPPED in annotations:
-            reasons.append(f"not injected: {annotations[SKIPPED]}")
-        else:
-            labels = pod["metadata"].get("labels") or {}
-            matching = [
-                t["metadata"]["name"]
-                for t in tiers
-                if selects(t["spec"].get("podSelector", {}), labels)
-            ]
-            reasons.append(
-                "not injected: created before the webhook ran or the webhook was "
-                "unreachable; recreate the pod"
-                if matching
-                else f"not injected: no KVCacheTier in {namespace} selects its labels {labels}"
-            )
-        return {"pod": pod_name, "tier": tier_name, "reasons": reasons}
+        return {
+            "pod": pod_name,
+            "tier": tier_name,
+            "reasons": [_not_injected(pod, tiers, namespace)],
+        }
     tier = next((t for t in tiers if t["metadata"]["name"] == tier_name), None)
     if tier is None:
         return {
@@ -154,28 +189,8 @@ def explain_miss(namespace: str, pod_name: str) -> dict[str, Any]:
             "tier": tier_name,
             "reasons": [f"injected for KVCacheTier {tier_name}, which no longer exists"],
         }
-    status = tier.get("status") or {}
-    conditions = {c["type"]: c for c in status.get("conditions", [])}
-    if conditions.get("ConfigValid", {}).get("status") == "False":
-        reasons.append(f"tier config invalid: {conditions['ConfigValid'].get('message')}")
-    if conditions.get("FingerprintConflict", {}).get("status") == "True":
-        reasons.append(f"fingerprint mismatch: {conditions['FingerprintConflict'].get('message')}")
     node_name = pod["spec"].get("nodeName")
-    now = dt.datetime.now(dt.UTC)
-    agent = next(
-        (
-            n
-            for n in nodes
-            if n["spec"].get("tier") == tier_name and n["spec"].get("node") == node_name
-        ),
-        None,
-    )
-    if agent is None:
-        reasons.append(f"agent down: no agent of {tier_name} reports from node {node_name}")
-    elif not _fresh(read_node_status(agent), now):
-        reasons.append(
-            f"agent down: the agent on {node_name} has not reported for over {STALE_SECONDS:.0f}s"
-        )
+    reasons = _tier_reasons(tier) + _agent_reasons(nodes, str(tier_name), node_name)
     if not reasons:
         reasons.append(
             "injected and the agent is up: misses are chunks no engine stored yet "
