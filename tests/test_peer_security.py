@@ -29,8 +29,12 @@ from kvtier.agent.tiers.peer_wire import (
     REFUSED,
     RID,
     Announce,
+    Lend,
+    Lent,
     NixlHello,
+    Return,
     WhoHas,
+    decode_loan,
     encode,
     load_keys,
     write_keys,
@@ -290,3 +294,79 @@ def test_switching_on_authentication_rolls_without_errors(
     b = start("node-b", True)
     assert shares(scratch, a, b, [2]) == [True]
     assert shares(scratch, b, a, [3]) == [True]
+
+
+@pytest.mark.skipif(not available(), reason="NIXL is not installed")
+def test_a_member_reads_over_nixl_only_the_slots_lent_to_it(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    """A member (this test process, registered in the tier's registry with the tier's key)
+    gets the holder's NIXL connection details, no registered memory; a loan registers just
+    the lent bytes: they can be READ, the slot's header page and the next slot cannot."""
+    import nixl_cu12._api as nixl
+
+    keys = scratch / "curve"
+    write_keys(keys)
+    ring = load_keys(keys)
+    holder = agent_factory(
+        node_config(make_config, scratch, "holder", keys, dataPath="nixl", **FAST)
+    )
+    with AgentClient(holder.config.endpoint) as producer:
+        stored(producer, [0, 1])
+        wait_for(lambda: peer_stats(producer).get("writebacks") == 2)
+    target = endpoint_of(scratch, "holder")
+    me = "tcp://127.0.0.1:1"
+    record = {
+        "node": "probe",
+        "endpoint": me,
+        "curveKey": ring.public.decode(),
+        "status": {"heartbeat": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+    }
+    (scratch / "registry" / "probe.json").write_text(json.dumps(record))
+    keyed = (ring.public, ring.secret, ring.public)
+    # answered once the holder has read the new member (at most four re-reads a second)
+    hello = wait_for(lambda: (h := ask(target, NixlHello(me), keyed)) and h[0] and h)
+
+    agent = nixl.nixl_agent("probe", nixl.nixl_agent_config(backends=["UCX"]))
+    buffer = np.zeros(2 * ROW, np.uint8)
+    base = int(buffer.ctypes.data)
+    agent.register_memory([(base, buffer.nbytes, 0, "")], "DRAM")
+    remote = agent.add_remote_agent(hello[0])
+    remote = remote.decode() if isinstance(remote, bytes) else str(remote)
+
+    def read(address: int, nbytes: int, patience: float = 5.0) -> str:
+        """The transfer's end state, or the error NIXL refused it with (NOT_FOUND also while
+        the connection is set up: retried for `patience` seconds)."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                handle = agent.initialize_xfer(
+                    "READ",
+                    agent.get_xfer_descs([(base, nbytes, 0)], "DRAM"),
+                    agent.get_xfer_descs([(address, nbytes, 0)], "DRAM"),
+                    remote,
+                )
+                state = agent.transfer(handle)
+                while state not in ("DONE", "ERR"):
+                    state = agent.check_xfer_state(handle)
+                agent.release_xfer_handle(handle)
+                return str(state)
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    return str(exc)
+                time.sleep(0.05)
+
+    reply = ask(target, Lend(NS, [key(0)]), keyed)
+    assert reply is not None
+    loan = decode_loan(reply[0])
+    (lent,) = loan.chunks
+    assert isinstance(lent, Lent) and loan.sections
+    agent.add_remote_agent(loan.sections)
+    assert read(lent.address, ROW) == "DONE"
+    assert np.array_equal(buffer[:ROW], row(0, ROW))
+    # connected now: a refusal is final
+    assert "NOT_FOUND" in read(lent.address - 4096, 4096, 0.2)  # the slot's header page
+    assert "NOT_FOUND" in read(lent.address + ROW, ROW, 0.2)  # past the lent bytes
+    ask(target, Return(loan.lease), keyed, wait=0.2)
+    with AgentClient(holder.config.endpoint) as producer:
+        wait_for(lambda: peer_stats(producer)["lent"] == 0)

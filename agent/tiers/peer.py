@@ -535,6 +535,8 @@ class PeerTier(SecondaryTier):
                 moving.append((read, chunk, header))
             reads = [(chunk.address, read.out, header.length) for read, chunk, header in moving]
             try:
+                if reads:
+                    self.server.nixl.load_sections(loan.sections)
                 moved = not reads or self.server.nixl.read(
                     remote, reads, self.config.timeout_seconds
                 )

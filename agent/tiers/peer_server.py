@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
@@ -84,13 +85,19 @@ class PeerServer:
             self._sock.curve_server = True
             self._sock.curve_publickey = self.keys.public
             self._sock.curve_secretkey = self.keys.secret
-        self._sock.bind(config.bind)
+        # On all addresses only where the pod's own is unknown: with POD_IP (the operator
+        # sets it) the peer port listens on the pod network alone.
+        pod_ip = os.environ.get("POD_IP", "")
+        listen = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+        if ":" in pod_ip:
+            self._sock.ipv6 = True
+        self._sock.bind(config.bind.replace("0.0.0.0", listen) if listen else config.bind)
         bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if "0.0.0.0" in bound:  # listening everywhere: advertise the pod's (or host's) address
             bound = bound.replace("0.0.0.0", os.environ.get("POD_IP") or socket.gethostname())
         self.endpoint = config.advertise or bound
         # Slots lent out: NIXL loans until returned (or expired), ZMQ sends until sent.
-        self._loans: dict[int, tuple[float, int]] = {}  # lease -> (deadline, slots)
+        self._loans: dict[int, tuple[float, int, Any]] = {}  # lease -> (deadline, slots, reg)
         self._sending: list[tuple[zmq.MessageTracker, int, int]] = []  # (tracker, lease, slots)
         self.refused = 0
         self.refused_requests = 0  # naming a non-member, or a non-member's request
@@ -116,7 +123,7 @@ class PeerServer:
     def lent(self) -> int:
         """Slots lent to peers right now (also read by the metrics thread: copies only)."""
         loans = list(self._loans.values())
-        return sum(n for _, n in loans) + sum(n for _, _, n in list(self._sending))
+        return sum(n for _, n, _ in loans) + sum(n for _, _, n in list(self._sending))
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -179,8 +186,8 @@ class PeerServer:
         elif isinstance(request, NixlHello):
             return self.nixl.metadata if self.nixl is not None else b""
         elif isinstance(request, Return):
-            if self._loans.pop(request.lease, None) is not None:
-                self.host.end_load(request.lease, LENDER)
+            if (loan := self._loans.pop(request.lease, None)) is not None:
+                self._end_loan(request.lease, loan[2])
         elif isinstance(request, Damaged):
             self.host.reverify(request.namespace, request.keys)
         elif isinstance(request, Lend):
@@ -196,10 +203,25 @@ class PeerServer:
             c if isinstance(c, str) else Lent(base + geometry.payload_offset(c[0]), c[1].page())
             for c in chunks
         ]
+        regions = [
+            (item.address, chunk[1].length)
+            for item, chunk in zip(lent, chunks, strict=True)
+            if isinstance(item, Lent) and not isinstance(chunk, str)
+        ]
+        sections = b""
         if lease:
-            slots = sum(not isinstance(c, str) for c in chunks)
-            self._loans[lease] = (time.monotonic() + 2 * self.config.timeout_seconds, slots)
-        return Loan(lease, self.nixl.name, lent)
+            registration = None
+            if regions:
+                registration, sections = self.nixl.lend(regions)
+            deadline = time.monotonic() + 2 * self.config.timeout_seconds
+            self._loans[lease] = (deadline, len(regions), registration)
+        return Loan(lease, self.nixl.name, lent, sections)
+
+    def _end_loan(self, lease: int, registration: Any) -> None:
+        """The lent bytes are deregistered before the slots can be reused."""
+        if registration is not None and self.nixl is not None:
+            self.nixl.unlend(registration)
+        self.host.end_load(lease, LENDER)
 
     def _send_chunks(self, identity: bytes, rid: bytes, request: Fetch) -> None:
         lease, chunks = self._lease(request.namespace, request.keys)
@@ -251,9 +273,8 @@ class PeerServer:
                 still.append((tracker, lease, slots))
         self._sending = still
         now = time.monotonic()
-        for lease in [lease for lease, (deadline, _) in self._loans.items() if deadline < now]:
-            del self._loans[lease]
-            self.host.end_load(lease, LENDER)
+        for lease in [lease for lease, (deadline, _, _) in self._loans.items() if deadline < now]:
+            self._end_loan(lease, self._loans.pop(lease)[2])
 
     def close(self) -> None:
         self._stop.set()

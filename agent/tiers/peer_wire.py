@@ -86,6 +86,7 @@ class Loan(msgspec.Struct):
     lease: int
     agent: str  # the holder's NIXL agent: a restarted holder has a new one
     chunks: list[Lent | str]  # or ABSENT / BUSY
+    sections: bytes = b""  # NIXL metadata of the lent bytes, registered for this loan only
 
 
 PeerRequest = Announce | Withdraw | WhoHas | Fetch | Holds | NixlHello | Lend | Return | Damaged
