@@ -29,6 +29,7 @@ from kvtier.agent.pool import Bytes
 from kvtier.agent.tiers.filesystem import FilesystemTier
 from kvtier.agent.tiers.objectstore import ObjectStoreTier
 from kvtier.bench.baseline import shared_buffer
+from kvtier.polling import port_open, wait_for
 
 MiB = 1 << 20
 
@@ -165,12 +166,7 @@ def s3_endpoint(endpoint: str | None) -> Iterator[str]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
+        wait_for(lambda: port_open(port), 30, "the S3 server")
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()

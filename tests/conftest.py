@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 
 from kvtier.agent.config import AgentConfig, parse_config
 from kvtier.agent.process import AgentProcess
+from kvtier.polling import port_open, wait_for
 
 ROW = 64 * 1024
 
@@ -90,13 +90,7 @@ def free_port() -> int:
 
 
 def wait_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on port {port}")
+    wait_for(lambda: port_open(port), timeout, f"a listener on port {port}")
 
 
 @pytest.fixture(scope="session")

@@ -7,11 +7,11 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvtier import polling
 from tests.conftest import free_port, wait_port
 
 IMAGE = "registry.local/kvtier:test"
@@ -48,11 +48,4 @@ def running_operator(
 
 def wait_for(check: Callable[[], Any], timeout: float = 30.0) -> Any:
     """Polls `check` until it returns something true, which it returns."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.1)
+    return polling.wait_for(check, timeout, interval=0.1)

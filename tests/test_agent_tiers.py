@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier import polling
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.process import AgentProcess
@@ -42,13 +43,7 @@ def tier_stats(client: AgentClient, name: str) -> dict[str, Any]:
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 20.0) -> Any:
-    """Poll until `predicate` returns something truthy, and return it."""
-    deadline = time.monotonic() + timeout
-    while not (result := predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.05)
-    return result
+    return polling.wait_for(predicate, timeout)
 
 
 def store(client: AgentClient, ids: range | list[int]) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kvtier import polling
 from kvtier.agent.config import ReportConfig
 from kvtier.agent.node_status import NodeStatus, build_report, read_node_status
 from kvtier.agent.report import FileRegistry, KubernetesRegistry, Reporter
@@ -209,7 +210,4 @@ def test_membership_follows_kvcachenodes_through_a_watch(
 
 
 def wait_until(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
+    polling.wait_for(predicate, timeout)
