@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,6 +25,24 @@ def supported() -> str | None:
     if os.geteuid() != 0:
         return "creating network namespaces needs root"
     return None
+
+
+def _wait_carrier(namespace: str, timeout: float = 10.0) -> None:
+    """Until the namespace's eth0 has a carrier: a process started before it (UCX, which
+    lists the usable interfaces once) would see only loopback."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = subprocess.run(
+            ["ip", "-n", namespace, "-o", "link", "show", "eth0"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        if "LOWER_UP" in state and "NO-CARRIER" not in state:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{namespace}: eth0 has no carrier: {state}")
+        time.sleep(0.05)
 
 
 @contextmanager
@@ -48,6 +67,8 @@ def nodes(count: int, subnet: str = "10.213.0") -> Iterator[list[tuple[str, str]
             _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             found.append((ns, address))
+        for ns, _ in found:
+            _wait_carrier(ns)
         yield found
     finally:
         for ns in reversed(made):
