@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -194,30 +196,23 @@ def render_csi(result: dict[str, Any], console: Console) -> None:
     )
 
 
+Render = Callable[[dict[str, Any], Console], None]
+# Each benchmark's module (imported only when it runs: some need root, vLLM or NIXL) and the
+# table it prints.
+BENCHMARKS: dict[str, tuple[str, Render]] = {
+    "host": ("kvtier.bench.host", render_host),
+    "tiers": ("kvtier.bench.tiers", render_tiers),
+    "peers": ("kvtier.bench.peers", render_peers),
+    "csi": ("kvtier.bench.csi", render_csi),
+}
+
+
 def run_benchmark(target: str, quick: bool, as_json: bool, out: Path | None) -> int:
-    if target == "csi":
-        from kvtier.bench import csi
-
-        result = csi.run(quick)
-        render = render_csi
-    elif target == "host":
-        from kvtier.bench import host
-
-        result = host.run(quick)
-        render = render_host
-    elif target == "peers":
-        from kvtier.bench import peers
-
-        result = peers.run(quick)
-        render = render_peers
-    elif target == "tiers":
-        from kvtier.bench import tiers
-
-        result = tiers.run(quick)
-        render = render_tiers
+    if target == "vllm":
+        result, render = run_vllm(quick), render_vllm
     else:
-        result = run_vllm(quick)
-        render = render_vllm
+        module, render = BENCHMARKS[target]
+        result = importlib.import_module(module).run(quick)
     result["machine"] = _machine()
     path = out or Path(".scratch/bench") / f"{target}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
