@@ -21,6 +21,11 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*KVTIER, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def demo(fs_dir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """A small demo: two clients, its filesystem tier in `fs_dir`."""
+    return run("demo", "--clients", "2", "--fs-dir", str(fs_dir), *flags)
+
+
 @pytest.mark.parametrize("command", [[], ["agent"], ["demo"], ["bench"], ["peer-keys"]])
 def test_help(command: list[str]) -> None:
     proc = run(*command, "--help")
@@ -61,18 +66,7 @@ def test_missing_config_file(scratch: Path) -> None:
 def test_demo_json_reports_hits_and_cleans_up(tmp_path: Path) -> None:
     before = {p for p in os.listdir("/dev/shm") if p.startswith("kvtier-demo-")}
     fs_dir = tmp_path / "demo-fs"
-    proc = run(
-        "demo",
-        "--clients",
-        "2",
-        "--conversations",
-        "2",
-        "--turns",
-        "3",
-        "--json",
-        "--fs-dir",
-        str(fs_dir),
-    )
+    proc = demo(fs_dir, "--conversations", "2", "--turns", "3", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     summary = report["summary"]
@@ -96,24 +90,12 @@ def test_demo_json_reports_hits_and_cleans_up(tmp_path: Path) -> None:
 
 
 def test_demo_filesystem_tier_serves_what_the_small_pool_evicted(tmp_path: Path) -> None:
-    def demo(*extra: str) -> dict[str, Any]:
-        proc = run(
-            "demo",
-            "--clients",
-            "2",
-            "--capacity",
-            "4Mi",
-            "--turns",
-            "4",
-            "--json",
-            "--fs-dir",
-            str(tmp_path / "fs"),
-            *extra,
-        )
+    def small_pool(*extra: str) -> dict[str, Any]:
+        proc = demo(tmp_path / "fs", "--capacity", "4Mi", "--turns", "4", "--json", *extra)
         assert proc.returncode == 0, proc.stderr
         return dict(json.loads(proc.stdout))
 
-    tiered, host_only = demo(), demo("--no-fs")
+    tiered, host_only = small_pool(), small_pool("--no-fs")
     assert tiered["summary"]["evictions"] > 0
     assert tiered["summary"]["hits_from_filesystem"] > 0
     assert tiered["agent"]["tiers"][0]["promotions"] > 0
@@ -123,19 +105,7 @@ def test_demo_filesystem_tier_serves_what_the_small_pool_evicted(tmp_path: Path)
 
 def test_demo_plot_is_a_png(tmp_path: Path) -> None:
     png = tmp_path / "demo.png"
-    proc = run(
-        "demo",
-        "--clients",
-        "2",
-        "--conversations",
-        "2",
-        "--turns",
-        "2",
-        "--fs-dir",
-        str(tmp_path / "fs"),
-        "--plot",
-        str(png),
-    )
+    proc = demo(tmp_path / "fs", "--conversations", "2", "--turns", "2", "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
