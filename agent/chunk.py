@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.agent.pool import SLOT_HEADER_BYTES
+from kvtier.agent.pool_layout import SLOT_HEADER_BYTES
 from kvtier.agent.protocol import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES
 
 CHUNK_MAGIC = b"KVTC"

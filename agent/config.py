@@ -8,7 +8,6 @@ it in `kubectl logs` of a crash-looping agent, far from the YAML that caused it.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -23,13 +22,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kvtier.agent.pool import (
-    SLOT_HEADER_BYTES,
-    PoolGeometry,
-    pool_slot_count,
-    reusable,
-    slot_payload_bytes,
-)
+from kvtier.agent.pool_layout import SLOT_HEADER_BYTES, pool_slot_count, slot_payload_bytes
 from kvtier.agent.units import format_bytes, parse_bytes
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
@@ -440,61 +433,3 @@ def load_config(path: str | os.PathLike[str]) -> AgentConfig:
     except yaml.YAMLError as exc:
         raise ConfigError([f"config file {path} is not valid YAML: {exc}"]) from None
     return parse_config(data)
-
-
-def _check_writable_dir(field: str, directory: Path) -> str | None:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvtier-probe-"):
-            pass
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        return (
-            f"{field}: {directory} is not a writable directory ({reason}); "
-            f"fix: point {field} at a writable directory or mount one there"
-        )
-    return None
-
-
-def _check_pool_fits(config: AgentConfig) -> str | None:
-    """A pool file larger than the free space of its filesystem maps fine and then kills
-    whoever touches a page the filesystem cannot supply (SIGBUS): refuse to start instead."""
-    host = config.host
-    geometry = PoolGeometry(slot_payload_bytes(host.chunk_bytes), host.slot_count)
-    try:
-        st = os.statvfs(host.pool_dir)
-        free = st.f_bavail * st.f_frsize
-        if reusable(config.pool_path, geometry):
-            free += config.pool_path.stat().st_blocks * 512  # already allocated to the pool
-    except OSError:
-        return None  # the writable-directory check reports it
-    if free >= geometry.file_bytes:
-        return None
-    return (
-        f"host.capacity ({format_bytes(host.capacity)}, a pool file of "
-        f"{format_bytes(geometry.file_bytes)}) does not fit in host.poolDir {host.pool_dir}: "
-        f"its filesystem has {format_bytes(free)} free; fix: lower host.capacity or give the "
-        "pool's filesystem more room (the tier's volume size, or the pod's /dev/shm)"
-    )
-
-
-def check_runtime(config: AgentConfig) -> None:
-    """Checks that need the filesystem, done once at start before anything is created."""
-    checks = [("host.poolDir", config.host.pool_dir), ("runDir", config.run_dir)]
-    checks += [
-        (f"tiers[{i}].filesystem.path", t.filesystem.path)
-        for i, t in enumerate(config.tiers)
-        if t.filesystem is not None
-    ]
-    problems = [p for field, path in checks if (p := _check_writable_dir(field, path))]
-    problems += [p for p in [_check_pool_fits(config)] if p]
-    from kvtier.agent.tiers import nixl_path  # loads NIXL, which only this check needs here
-
-    problems += [
-        f"tiers[{i}].peer.dataPath is 'nixl' but NIXL is not installed: install nixl-cu12 "
-        "(`make .venv` does) or set dataPath to 'auto' or 'zmq'"
-        for i, t in enumerate(config.tiers)
-        if t.peer is not None and t.peer.data_path == "nixl" and not nixl_path.available()
-    ]
-    if problems:
-        raise ConfigError(problems)

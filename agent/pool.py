@@ -14,62 +14,26 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
-PAGE = 4096
-SUPERBLOCK_BYTES = PAGE
-SLOT_HEADER_BYTES = PAGE
-POOL_MAGIC = b"KVTPOOL1"
-POOL_VERSION = 2  # 2: slot generations
-STAMP_OFFSET = SLOT_HEADER_BYTES - 8
+from kvtier.agent.pool_layout import (
+    PAGE as PAGE,
+)
+from kvtier.agent.pool_layout import (
+    POOL_VERSION,
+    SLOT_HEADER_BYTES,
+    STAMP_OFFSET,
+    SUPERBLOCK,
+    PoolGeometry,
+)
+from kvtier.agent.pool_layout import (
+    slot_payload_bytes as slot_payload_bytes,
+)
+
 Bytes = npt.NDArray[np.uint8]
-_SUPERBLOCK = struct.Struct("<8sIIQQ")  # magic, version, header bytes, payload bytes, slots
-
-
-def slot_payload_bytes(chunk_bytes: int) -> int:
-    return -(-chunk_bytes // PAGE) * PAGE
-
-
-def pool_slot_count(capacity: int, chunk_bytes: int) -> int:
-    stride = SLOT_HEADER_BYTES + slot_payload_bytes(chunk_bytes)
-    return max(0, (capacity - SUPERBLOCK_BYTES) // stride)
-
-
-@dataclass(frozen=True)
-class PoolGeometry:
-    payload_bytes: int
-    slot_count: int
-
-    @property
-    def stride(self) -> int:
-        return SLOT_HEADER_BYTES + self.payload_bytes
-
-    @property
-    def file_bytes(self) -> int:
-        return SUPERBLOCK_BYTES + self.slot_count * self.stride
-
-    def header_offset(self, slot: int) -> int:
-        return SUPERBLOCK_BYTES + slot * self.stride
-
-    def payload_offset(self, slot: int) -> int:
-        return self.header_offset(slot) + SLOT_HEADER_BYTES
-
-    def pack(self) -> bytes:
-        return _SUPERBLOCK.pack(
-            POOL_MAGIC, POOL_VERSION, SLOT_HEADER_BYTES, self.payload_bytes, self.slot_count
-        )
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> PoolGeometry | None:
-        magic, version, header, payload, slots = _SUPERBLOCK.unpack_from(raw)
-        if magic != POOL_MAGIC or version != POOL_VERSION or header != SLOT_HEADER_BYTES:
-            return None
-        return cls(payload_bytes=payload, slot_count=slots)
 
 
 class PoolMap:
@@ -106,7 +70,7 @@ class PoolMap:
     def open(cls, path: Path, populate: bool = True) -> PoolMap:
         """Map an existing pool, reading its geometry from the superblock (client side)."""
         with open(path, "rb") as f:
-            geometry = PoolGeometry.unpack(f.read(_SUPERBLOCK.size))
+            geometry = PoolGeometry.unpack(f.read(SUPERBLOCK.size))
         if geometry is None:
             raise ValueError(f"{path} is not a kvtier pool of format {POOL_VERSION}")
         return cls(path, geometry, populate)
@@ -146,7 +110,7 @@ def reusable(path: Path, geometry: PoolGeometry) -> bool:
     """Whether `path` holds a pool of exactly this geometry (a warm restart keeps it)."""
     try:
         with open(path, "rb") as f:
-            existing = PoolGeometry.unpack(f.read(_SUPERBLOCK.size).ljust(_SUPERBLOCK.size, b"\0"))
+            existing = PoolGeometry.unpack(f.read(SUPERBLOCK.size).ljust(SUPERBLOCK.size, b"\0"))
         return existing == geometry and path.stat().st_size == geometry.file_bytes
     except OSError:
         return False

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.agent.config import scratch_config
-from kvtier.agent.pool import PAGE
+from kvtier.agent.pool_layout import PAGE
 from kvtier.agent.process import AgentProcess
 from kvtier.bench.vllm_scheduler import Engine, chunk_row, kvtier_extra_config
 

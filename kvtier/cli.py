@@ -14,8 +14,9 @@ from pathlib import Path
 
 
 def _agent(args: argparse.Namespace) -> int:
-    from kvtier.agent.config import ConfigError, check_runtime, load_config
+    from kvtier.agent.config import ConfigError, load_config
     from kvtier.agent.logs import setup_logging
+    from kvtier.agent.runtime_checks import check_runtime
 
     # The tier's group is the boundary: what the agent creates in the tier's directory (its
     # socket, pool and lock files) is for the group, and for nobody else.

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtier.agent.config import ConfigError, check_runtime, load_config, parse_config
+from kvtier.agent.config import ConfigError, load_config, parse_config
+from kvtier.agent.runtime_checks import check_runtime
 from kvtier.agent.tiers import nixl_path
 from kvtier.agent.units import parse_bytes
 from tests.conftest import config_data

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvtier.agent.chunk import CHUNK_VERSION, ChunkHeader
 from kvtier.agent.config import FilesystemTierConfig
-from kvtier.agent.pool import PAGE
+from kvtier.agent.pool_layout import PAGE
 from kvtier.agent.tiers.base import (
     HEADER_BYTES,
     CorruptChunk,
