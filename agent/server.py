@@ -31,12 +31,13 @@ import zmq
 import kvtier
 from kvtier.agent import protocol as p
 from kvtier.agent.access_log import AccessLog
-from kvtier.agent.config import AgentConfig, check_runtime
+from kvtier.agent.config import AgentConfig
 from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import LeaseError
 from kvtier.agent.liveness import ClientRegistry
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.report import Reporter, make_registry
+from kvtier.agent.runtime_checks import check_runtime
 from kvtier.agent.secondary import MISS, SecondaryTiers
 from kvtier.agent.tiers import SecondaryTier
 from kvtier.agent.tiers.peer import PeerTier
