@@ -96,54 +96,60 @@ def data_path(transports: list[str]) -> str:
     return "auto" if "zmq" in transports else "nixl"
 
 
+def _filesystem_tier(entry: Manifest) -> Manifest:
+    fs = entry["filesystem"]
+    return {
+        "path": f"{TIER_MOUNT}/{entry['name']}",
+        "capacity": fs["capacity"],
+        "highWatermark": fs.get("highWatermark", 0.9),
+        "lowWatermark": fs.get("lowWatermark", 0.8),
+        "fsync": fs.get("fsync", True),
+    }
+
+
+def _peer_tier(entry: Manifest) -> Manifest:
+    peer = entry["peer"]
+    return {
+        "bind": f"tcp://0.0.0.0:{peer.get('port', 5557)}",
+        "dataPath": data_path(peer.get("transports", ["nixl", "zmq"])),
+        "maxLentChunks": peer.get("maxLentChunks", 256),
+        # always authenticated: the named Secret, or the one made for it
+        "curveKeyDir": f"{CURVE_MOUNT}/{entry['name']}",
+    }
+
+
+def _object_store_tier(entry: Manifest) -> Manifest:
+    s3 = entry["objectStore"]
+    store = {key: s3[key] for key in ("endpoint", "bucket", "prefix", "region") if key in s3}
+    store["capacity"] = s3["capacity"]
+    if "credentialsSecret" in s3:
+        store["credentialsDir"] = f"{S3_MOUNT}/{entry['name']}"
+    return store
+
+
+# The agent config of each kind of tier the CRD offers, under the same key as in the CRD.
+_TIER_KINDS = {
+    "filesystem": _filesystem_tier,
+    "peer": _peer_tier,
+    "objectStore": _object_store_tier,
+}
+
+
+def _agent_tier(entry: Manifest) -> Manifest:
+    config = {
+        "name": entry["name"],
+        "queueDepth": entry.get("queueDepth", 256),
+        "admitAfterHits": entry.get("admitAfterHits", 0),
+    }
+    config.update({kind: build(entry) for kind, build in _TIER_KINDS.items() if kind in entry})
+    return config
+
+
 def build_agent_config(tier: Manifest, settings: OperatorSettings) -> AgentConfig:
     """The agent's config for this resource; raises ConfigError naming the field."""
     meta, spec = tier["metadata"], tier["spec"]
     host = spec["host"]
-    tiers = []
-    for entry in spec.get("tiers", []):
-        common = {
-            "name": entry["name"],
-            "queueDepth": entry.get("queueDepth", 256),
-            "admitAfterHits": entry.get("admitAfterHits", 0),
-        }
-        if "filesystem" in entry:
-            fs = entry["filesystem"]
-            tiers.append(
-                {
-                    **common,
-                    "filesystem": {
-                        "path": f"{TIER_MOUNT}/{entry['name']}",
-                        "capacity": fs["capacity"],
-                        "highWatermark": fs.get("highWatermark", 0.9),
-                        "lowWatermark": fs.get("lowWatermark", 0.8),
-                        "fsync": fs.get("fsync", True),
-                    },
-                }
-            )
-        elif "peer" in entry:
-            peer = entry["peer"]
-            tiers.append(
-                {
-                    **common,
-                    "peer": {
-                        "bind": f"tcp://0.0.0.0:{peer.get('port', 5557)}",
-                        "dataPath": data_path(peer.get("transports", ["nixl", "zmq"])),
-                        "maxLentChunks": peer.get("maxLentChunks", 256),
-                        # always authenticated: the named Secret, or the one made for it
-                        "curveKeyDir": f"{CURVE_MOUNT}/{entry['name']}",
-                    },
-                }
-            )
-        elif "objectStore" in entry:
-            s3 = entry["objectStore"]
-            store = {
-                key: s3[key] for key in ("endpoint", "bucket", "prefix", "region") if key in s3
-            }
-            store["capacity"] = s3["capacity"]
-            if "credentialsSecret" in s3:
-                store["credentialsDir"] = f"{S3_MOUNT}/{entry['name']}"
-            tiers.append({**common, "objectStore": store})
+    tiers = [_agent_tier(entry) for entry in spec.get("tiers", [])]
     agent = spec.get("agent", {})
     return parse_config(
         {
@@ -266,14 +272,56 @@ def agent_resources(spec: Manifest) -> Manifest:
     return {"requests": {"cpu": "500m", "memory": memory}, "limits": {"memory": memory}}
 
 
+def _agent_container(
+    tier: Manifest, config: AgentConfig, settings: OperatorSettings, mounts: list[Manifest]
+) -> Manifest:
+    spec = tier["spec"]
+    return {
+        "name": "agent",
+        "image": agent_image(tier, settings),
+        "args": ["agent", "--config", f"{CONFIG_DIR}/agent.yaml"],
+        "ports": [
+            {"name": "metrics", "containerPort": config.metrics.port},
+            *[
+                {"name": "peer", "containerPort": t["peer"].get("port", 5557)}
+                for t in spec.get("tiers", [])
+                if "peer" in t
+            ],
+        ],
+        "env": [
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            # Peers dial this agent at its pod address.
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        ],
+        "resources": agent_resources(spec),
+        "readinessProbe": {
+            "httpGet": {"path": "/metrics", "port": "metrics"},
+            "periodSeconds": 5,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/metrics", "port": "metrics"},
+            "periodSeconds": 20,
+            "failureThreshold": 3,
+        },
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": TIER_VOLUME, "mountPath": settings.tier_mount},
+            *mounts,
+        ],
+    }
+
+
 def build_daemonset(tier: Manifest, config: AgentConfig, settings: OperatorSettings) -> Manifest:
     name, spec = tier["metadata"]["name"], tier["spec"]
-    agent = spec.get("agent", {})
-    port = config.metrics.port
     tier_volumes, tier_mounts = _tier_volumes(tier)
     config_hash = hashlib.sha256(config.to_yaml().encode()).hexdigest()[:16]
     uid = settings.agent_uid
-    image = agent_image(tier, settings)
     pod_spec: Manifest = {
         "serviceAccountName": agent_name(name),
         "nodeSelector": dict(spec.get("nodeSelector", {})),
@@ -287,58 +335,15 @@ def build_daemonset(tier: Manifest, config: AgentConfig, settings: OperatorSetti
             "supplementalGroups": [tier_group(tier["metadata"]["namespace"], name)],
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [
-            {
-                "name": "agent",
-                "image": image,
-                "args": ["agent", "--config", f"{CONFIG_DIR}/agent.yaml"],
-                "ports": [
-                    {"name": "metrics", "containerPort": port},
-                    *[
-                        {"name": "peer", "containerPort": t["peer"].get("port", 5557)}
-                        for t in spec.get("tiers", [])
-                        if "peer" in t
-                    ],
-                ],
-                "env": [
-                    {
-                        "name": "NODE_NAME",
-                        "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
-                    },
-                    # Peers dial this agent at its pod address.
-                    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                ],
-                "resources": agent_resources(spec),
-                "readinessProbe": {
-                    "httpGet": {"path": "/metrics", "port": "metrics"},
-                    "periodSeconds": 5,
-                },
-                "livenessProbe": {
-                    "httpGet": {"path": "/metrics", "port": "metrics"},
-                    "periodSeconds": 20,
-                    "failureThreshold": 3,
-                },
-                "securityContext": {
-                    "allowPrivilegeEscalation": False,
-                    "privileged": False,
-                    "readOnlyRootFilesystem": True,
-                    "capabilities": {"drop": ["ALL"]},
-                },
-                "volumeMounts": [
-                    {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-                    {"name": TIER_VOLUME, "mountPath": settings.tier_mount},
-                    *tier_mounts,
-                ],
-            }
-        ],
+        "containers": [_agent_container(tier, config, settings, tier_mounts)],
         "volumes": [
             {"name": "config", "configMap": {"name": agent_name(name)}},
             tier_volume(tier),
             *tier_volumes,
         ],
     }
-    if "priorityClassName" in agent:
-        pod_spec["priorityClassName"] = agent["priorityClassName"]
+    if "priorityClassName" in spec.get("agent", {}):
+        pod_spec["priorityClassName"] = spec["agent"]["priorityClassName"]
     selector = labels(name)
     return {
         "apiVersion": "apps/v1",
