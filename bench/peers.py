@@ -1,15 +1,23 @@
 """`kvtier bench peers`: chunks fetched from another node's agent over each of the peer
-tier's data paths (NIXL, ZMQ), next to a raw loopback TCP stream of the same bytes, same run;
-and the round trip of a batched lookup that must ask the keys' home agents."""
+tier's data paths (NIXL, ZMQ), next to a raw TCP stream of the same bytes between the same two
+addresses, same run; and the round trip of a batched lookup that must ask the keys' home
+agents. Two settings: both agents on loopback, and each agent in a network namespace of its
+own (veth pairs on a bridge, their own addresses, UCX pinned to TCP), as on two machines;
+the second needs root and is reported as skipped without it."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,70 +28,120 @@ from kvtier.agent.config import AgentConfig, scratch_peer_config
 from kvtier.agent.pool import PAGE
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.tiers.nixl_path import available
+from kvtier.bench import netns
 
 MiB = 1 << 20
 NS = "bench-peers"
+PEER_PORT = 5557
+TCP_PORT = 5600
+# Between namespaces of one host UCX must use its TCP transport on the veth (its
+# shared-memory transports do not cross namespaces, and loopback is not the other node's).
+UCX_BETWEEN_HOSTS = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+
+
+@dataclass
+class Place:
+    """Where the two agents run: `prefix` per agent (a namespace, or nothing) and the
+    address each binds its peer endpoint to."""
+
+    name: str
+    addresses: tuple[str, str] = ("127.0.0.1", "127.0.0.1")
+    prefixes: tuple[list[str], list[str]] = field(default_factory=lambda: ([], []))
+
+    def tcp_gbps(self, nbytes: int, chunk: int) -> float:
+        """A raw TCP stream from the first agent's address to the second's."""
+        if not self.prefixes[0]:
+            return raw_tcp_gbps(nbytes, chunk)
+        stream = [self.addresses[1], str(TCP_PORT), str(nbytes), str(chunk)]
+        me = [sys.executable, "-m", "kvtier.bench.peers"]
+        sink = subprocess.Popen(
+            [*self.prefixes[1], *me, "sink", *stream],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                sent = subprocess.run(
+                    [*self.prefixes[0], *me, "source", *stream],
+                    capture_output=True,
+                )
+                if sent.returncode == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)  # the sink is not listening yet
+            out, _ = sink.communicate(timeout=60)
+        finally:
+            if sink.poll() is None:
+                sink.kill()
+        return float(out.strip())
+
+
+def _stream_in(conn: socket.socket, nbytes: int, chunk: int) -> int:
+    sink = memoryview(bytearray(chunk))
+    received = 0
+    while received < nbytes:
+        n = conn.recv_into(sink[received % chunk :] if received % chunk else sink)
+        if n == 0:
+            break
+        received += n
+    return received
+
+
+def _stream_out(address: str, port: int, nbytes: int, chunk: int) -> None:
+    payload = memoryview(np.ones(chunk, np.uint8).data)
+    with socket.create_connection((address, port)) as conn:
+        sent = 0
+        while sent < nbytes:
+            conn.sendall(payload)
+            sent += chunk
 
 
 def raw_tcp_gbps(nbytes: int, chunk: int) -> float:
     """One loopback TCP stream moving `nbytes`, received into a preallocated buffer."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
-    payload = memoryview(np.ones(chunk, np.uint8).data)
-    done = threading.Event()
-
-    def send() -> None:
-        with socket.create_connection(("127.0.0.1", port)) as conn:
-            sent = 0
-            while sent < nbytes:
-                conn.sendall(payload)
-                sent += chunk
-        done.set()
-
-    sink = memoryview(bytearray(chunk))
-    thread = threading.Thread(target=send)
+    thread = threading.Thread(target=_stream_out, args=("127.0.0.1", port, nbytes, chunk))
     started = time.perf_counter()
     thread.start()
     conn, _ = server.accept()
-    received = 0
     with conn:
-        while received < nbytes:
-            n = conn.recv_into(sink[received % chunk :] if received % chunk else sink)
-            if n == 0:
-                break
-            received += n
+        received = _stream_in(conn, nbytes, chunk)
     elapsed = time.perf_counter() - started
     thread.join()
     server.close()
     return received / elapsed / 1e9
 
 
-def node(scratch: Path, name: str, row: int, slots: int, data_path: str) -> AgentConfig:
+def node(
+    scratch: Path, name: str, row: int, slots: int, data_path: str, address: str
+) -> AgentConfig:
+    bind = f"tcp://{address}:{PEER_PORT}" if address != "127.0.0.1" else "tcp://127.0.0.1:*"
     return scratch_peer_config(
         scratch,
         name,
         PAGE + slots * (row + PAGE),
         row,
-        scratch / f"registry-{data_path}",
-        {"timeoutSeconds": 5, "dataPath": data_path},
+        scratch / f"registry-{name.rsplit('-', 1)[0]}",
+        {"timeoutSeconds": 5, "dataPath": data_path, "bind": bind},
         tierBudgetSeconds=30,
     )
 
 
 def measure(
-    scratch: Path, data_path: str, row: int, chunks: int, rounds: int, lookups: int
+    scratch: Path, place: Place, data_path: str, row: int, chunks: int, rounds: int, lookups: int
 ) -> tuple[list[float], list[float], list[float], dict[str, Any]]:
     """Per round: GB/s bringing `chunks` rows held by another agent into this one's pool, and
     raw TCP GB/s moving the same bytes just before (this machine's speed drifts, so each
     round is compared with its own baseline); then remote lookup latencies (µs) and the
     peer tier's stats."""
-    a = node(scratch, f"{data_path}-a", row, chunks * (rounds + 1) + 8, data_path)
+    tag = f"{place.name}-{data_path}"
+    a = node(scratch, f"{tag}-a", row, chunks * (rounds + 1) + 8, data_path, place.addresses[0])
     # One request promotes at most a quarter of the pool (a slow tier cannot drain it).
-    b = node(scratch, f"{data_path}-b", row, 4 * chunks + 8, data_path)
+    b = node(scratch, f"{tag}-b", row, 4 * chunks + 8, data_path, place.addresses[1])
     kv, raw, latencies = [], [], []
     with (
-        AgentProcess(a),
-        AgentProcess(b),
+        AgentProcess(a, prefix=place.prefixes[0]),
+        AgentProcess(b, prefix=place.prefixes[1]),
         AgentClient(a.endpoint) as producer,
         AgentClient(b.endpoint) as consumer,
     ):
@@ -95,7 +153,7 @@ def measure(
             producer.store(NS, keys, data)
             while producer.stats()["tiers"][0].get("writebacks", 0) < chunks * (r + 1):
                 time.sleep(0.05)
-            tcp = raw_tcp_gbps(chunks * row, row)
+            tcp = place.tcp_gbps(chunks * row, row)
             # Timed, as an engine does it: the lookup (the keys' homes asked), then the load
             # that brings the chunks into this node's pool (bytes moved, verified, indexed);
             # then, untimed, the chunks copied out and compared.
@@ -120,48 +178,94 @@ def measure(
     return kv, raw, latencies, stats
 
 
-def run(quick: bool) -> dict[str, Any]:
-    # 2 MiB rows: a chunk of 16 tokens of Llama-3.1-8B (docs/sizing.md), as `bench tiers`
-    row, chunks, rounds = 2 * MiB, (32 if quick else 128), (5 if quick else 9)
-    scratch = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir="/dev/shm"))
+def measure_place(
+    scratch: Path, place: Place, row: int, chunks: int, rounds: int, lookups: int
+) -> dict[str, Any]:
     paths = ["nixl", "zmq"] if available() else ["zmq"]
     per_round: dict[str, list[float]] = {}
     ratios: dict[str, float] = {}
     raw: list[float] = []
     reads: dict[str, int] = {}
-    lookups: list[float] = []
+    latencies: list[float] = []
+    for path in paths:
+        kv, tcp, lookup, stats = measure(scratch, place, path, row, chunks, rounds, lookups)
+        per_round[path] = kv
+        ratios[path] = statistics.median(k / t for k, t in zip(kv, tcp, strict=True))
+        raw += tcp
+        reads[path] = int(stats.get(f"{path}_reads", 0))
+        if reads[path] != chunks * (rounds + 1):
+            raise RuntimeError(f"{place.name}, {path}: {reads[path]} of the chunks took it")
+        latencies += lookup
+    latencies.sort()
+    gbps = {path: statistics.median(kv) for path, kv in per_round.items()}
+    return {
+        "tcp_gbps": statistics.median(raw),
+        "zmq_gbps": gbps["zmq"],
+        "nixl_gbps": gbps.get("nixl"),
+        # medians of per-round ratios, each round against the TCP stream just before it
+        "zmq_ratio_vs_tcp": ratios["zmq"],
+        "nixl_ratio_vs_tcp": ratios.get("nixl"),
+        "chunks_read": reads,
+        "rounds_gbps": {**per_round, "tcp": raw},
+        "lookup_p50_us_remote_1k": latencies[len(latencies) // 2],
+        "lookup_p99_us_remote_1k": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+    }
+
+
+@contextlib.contextmanager
+def between_namespaces() -> Iterator[Place]:
+    with netns.nodes(2, subnet="10.216.0") as machines:
+        env = ["env", *(f"{k}={v}" for k, v in UCX_BETWEEN_HOSTS.items())]
+        (ns_a, ip_a), (ns_b, ip_b) = machines
+        yield Place(
+            "namespaces", (ip_a, ip_b), (netns.run_in(ns_a, *env), netns.run_in(ns_b, *env))
+        )
+
+
+def run(quick: bool) -> dict[str, Any]:
+    # 2 MiB rows: a chunk of 16 tokens of Llama-3.1-8B (docs/sizing.md), as `bench tiers`;
+    # 128 of them (256 MiB) per round, 32 with --quick
+    row, chunks, rounds = 2 * MiB, (32 if quick else 128), (5 if quick else 9)
+    lookups = 40 if quick else 200
+    scratch = Path(tempfile.mkdtemp(prefix="kvtier-bench-peers-", dir="/dev/shm"))
     try:
-        for path in paths:
-            kv, tcp, latencies, stats = measure(
-                scratch, path, row, chunks, rounds, 40 if quick else 200
-            )
-            per_round[path] = kv
-            ratios[path] = statistics.median(k / t for k, t in zip(kv, tcp, strict=True))
-            raw += tcp
-            reads[path] = int(stats.get(f"{path}_reads", 0))
-            if reads[path] != chunks * (rounds + 1):
-                raise RuntimeError(f"{path}: {reads[path]} of the chunks took it")
-            lookups += latencies
+        loopback = measure_place(scratch, Place("loopback"), row, chunks, rounds, lookups)
+        namespaces: dict[str, Any]
+        if (why := netns.supported()) is not None:
+            namespaces = {"skipped": why}
+        else:
+            with between_namespaces() as place:
+                namespaces = measure_place(scratch, place, row, chunks, rounds, lookups)
+                namespaces["ucx"] = UCX_BETWEEN_HOSTS
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    lookups.sort()
-    tcp_gbps = statistics.median(raw)
-    gbps = {path: statistics.median(kv) for path, kv in per_round.items()}
-    nixl = gbps.get("nixl")
     return {
         "benchmark": "peers",
         "quick": quick,
         "row_bytes": row,
         "chunks": chunks,
         "rounds": rounds,
-        "tcp_gbps": tcp_gbps,
-        "zmq_gbps": gbps["zmq"],
-        "nixl_gbps": nixl,
-        # medians of per-round ratios, each round against the TCP stream just before it
-        "zmq_ratio_vs_tcp": ratios["zmq"],
-        "nixl_ratio_vs_tcp": ratios.get("nixl"),
-        "chunks_read": reads,
-        "rounds_gbps": {**per_round, "tcp": raw},
-        "lookup_p50_us_remote_1k": lookups[len(lookups) // 2],
-        "lookup_p99_us_remote_1k": lookups[min(len(lookups) - 1, int(len(lookups) * 0.99))],
+        **loopback,  # the loopback figures, at the top level as before
+        "loopback": loopback,
+        "namespaces": namespaces,
     }
+
+
+def _main(argv: list[str]) -> None:
+    """The two ends of the raw TCP stream between namespaces, each run inside one."""
+    what, address, port, nbytes, chunk = argv[0], argv[1], *map(int, argv[2:5])
+    if what == "source":
+        _stream_out(address, port, nbytes, chunk)
+        return
+    server = socket.create_server((address, port))
+    conn, _ = server.accept()
+    started = time.perf_counter()
+    with conn:
+        received = _stream_in(conn, nbytes, chunk)
+    elapsed = time.perf_counter() - started
+    server.close()
+    print(received / elapsed / 1e9)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
