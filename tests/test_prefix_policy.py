@@ -1,5 +1,6 @@
-"""The prefix-aware policy: leaves first, reuse with aging, ARC until parents are known, and
-never worse than LRU where LRU is at its best or a scan floods the pool."""
+"""The prefix-aware policy: leaves first, least hit density first, admission control, ARC
+until parents are known, and never worse than LRU where LRU is at its best or a scan floods
+the pool."""
 
 from __future__ import annotations
 
@@ -227,3 +228,48 @@ def test_multi_turn_chat_trace_never_worse_than_lru(tmp_path: Path) -> None:
         prefix = replay(trace, "prefix", blocks).hit_rate
         assert lru is not None and prefix is not None
         assert prefix >= lru, (blocks, prefix, lru)
+
+
+def test_admission_turns_one_off_documents_away() -> None:
+    """Hot chains fill the pool; one-off documents arrive between them. Once the densities
+    are learnt, a document is not stored (its first chunk is refused, and with it the rest,
+    which could never be reached), and the hot chains keep hitting; LRU lets every document
+    flush them."""
+    results = {}
+    for name in ("lru", "prefix"):
+        index = HostIndex(8, make_policy(name, 8))
+        hits = requests = 0
+        for step in range(3000):
+            if step % 2:
+                keys = [b"doc%d-%d" % (step, i) for i in range(3)]
+            else:
+                c = (step // 2) % 4
+                keys = [b"hot%d-0" % c, b"hot%d-1" % c]
+            _hits, prefix = index.lookup(NS, keys)
+            index.touch()
+            if step >= 2000 and not step % 2:
+                hits += prefix
+                requests += len(keys)
+            if prefix < len(keys):
+                store(index, keys[prefix:], chain(keys)[prefix:])
+        results[name] = (hits / requests, index.counters.full)
+    assert results["lru"][0] < 0.2 and results["lru"][1] == 0
+    assert results["prefix"][0] > 0.9
+    assert results["prefix"][1] > 1000 and results["prefix"][1] % 3 == 0  # whole documents
+
+
+def test_a_refused_chunk_asked_again_comes_back_a_class_higher() -> None:
+    policy = PrefixPolicy(2)
+    policy.on_parents([((NS, b"a"), (NS, b"root"))])
+    policy.on_insert((NS, b"a"))
+    policy.now = 10 * policy.capacity  # past the warm-up: admission is on
+    policy._density[0][0] = 0.0  # a chunk used once is worth nothing; a's class-1 leaf too
+    policy._density[1] = [1.0] * len(policy._density[1])
+    assert policy.evict(always, (NS, b"new")) is None  # refused: worth no more than a
+    assert policy.refused == 1
+    policy.on_parents([((NS, b"child"), (NS, b"new"))])
+    assert policy.evict(always, (NS, b"child")) is None  # its parent was refused
+    # Asked for again, "new" would be used twice: class 2, worth more than a, so a goes.
+    assert policy.evict(always, (NS, b"new")) == (NS, b"a")
+    policy.on_insert((NS, b"new"))
+    assert policy._state[(NS, b"new")][1] == 2  # refused once, then stored

@@ -1,4 +1,5 @@
-"""Prefix-aware eviction: leaves of the prefix tree first, by reuse with aging.
+"""Prefix-aware eviction: leaves of the prefix tree first, the lowest hit density first, and
+no admission for a chunk worth less than what it would displace.
 
 vLLM looks a request's chunks up in order and stops at the first miss, so a chunk is worth
 something only while its whole prefix is resident. A chained key does not reveal its parent;
@@ -6,17 +7,35 @@ stores that name each chunk's parent (`on_parents`, from the store request) let 
 keep the prefix tree of resident chunks and evict only leaves: a prefix is never dropped
 while a longer chain that needs it stays behind.
 
-Among leaves it evicts the lowest priority, greedy-dual style (LFU with dynamic aging): a
-chunk's priority is the cache age at its last use plus the number of uses it has had, and
-the age rises to each victim's priority. Chunks reused by many requests (system prompts,
-the heads of long conversations) outlive one-off prompts, and a chunk not used for a while
-ages out however often it was used before. (On the Mooncake conversation trace a chunk used
-once is used again in 26% of cases, one used six times in 88%. Weighing uses more, e.g.
-squared, recovers more of that trace's hits at 32 and 128 GiB but keeps finished
-conversations too long on a multi-turn chat trace, where it then falls below LRU.) Use
-counts of evicted chunks are remembered for 16 times as many chunks as the pool holds, and
-at least 65,536: a prompt often comes back only after the pool has turned over several
-times, and its history is what tells it from a one-off.
+Which leaf: the one with the least hit density (Beckmann & Sanchez, "LHD", NSDI'18): the
+probability that a chunk is used again, given its class (how often it has been used: 1 to
+8 or more times) and how long ago it was last used (its age, on a log scale), divided by the
+time it is then expected to wait for that use. The densities are learnt from the traffic
+itself: each access of a chunk that was seen before (resident, or remembered after
+eviction) records the gap since its last access under the class it had, and each access
+counts a chunk entering its new class; the table is rebuilt every 4,096 accesses from
+counts that halve every 65,536 (until the first rebuild, more uses and less age are worth
+more). Within a class the oldest leaf is the candidate, so an eviction compares eight
+candidates, O(log n) with one heap per class.
+
+Why: on the Mooncake conversation trace (512-token blocks) a chunk used once is used again
+in 24% of cases, a median 500 requests later; one used six times or more in 91%, most often
+by the very next request. LRU keeps whatever came last, and at 8 to 128 GiB that is a few
+seconds of one-off prompt tails; this policy keeps the hot heads and the chunks of
+conversations that came back. What it cannot know is which new chunk will be used again
+(nothing seen online tells them apart: 24 to 26% whatever the request's length, the
+chunk's position or the gap since the conversation's previous turn), which is where
+Belady's bound gets most of its lead (see docs/replay.md).
+
+Admission: when the pool is full, a chunk is not stored if its density as a new member of
+its class is below that of the chunk it would evict; nor is any chunk whose parent was just
+refused (it could never be reached). A chunk refused once and asked for again comes back a
+class higher. Admission starts once the policy has seen four pools' worth of accesses, so
+the densities it compares are learnt ones.
+
+Use counts and last-access times of evicted chunks are remembered for 16 times as many
+chunks as the pool holds, and at least 65,536: a prompt often comes back only after the
+pool has turned over several times, and its history is what tells it from a one-off.
 
 Until a store names a parent, the policy is ARC: an older plug-in that sends no parents
 gets exactly the `arc` policy. From the first parent on it keeps the tree (the chunks ARC
@@ -35,6 +54,19 @@ from kvtier.agent.policy.arc import ARCPolicy
 from kvtier.agent.policy.base import ChunkId, EvictionPolicy
 
 HISTORY_MIN = 65536
+CLASSES = 8  # chunks used 1, 2, ..., 8 or more times
+AGES = 48  # age buckets: bit length of the age in accesses
+REFRESH = 4096  # accesses between rebuilds of the density table
+HALVE = 65536  # accesses between halvings of the counts
+WARM_POOLS = 4  # pools' worth of accesses before admission control starts
+REFUSED_MAX = 4096
+
+_Entry = tuple[int, int, ChunkId]  # (last access, sequence, chunk)
+_State = tuple[int, int, int]  # (last access, uses, class)
+
+
+def _class(uses: int) -> int:
+    return min(uses, CLASSES) - 1
 
 
 class PrefixPolicy(EvictionPolicy):
@@ -43,57 +75,76 @@ class PrefixPolicy(EvictionPolicy):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.arc: ARCPolicy | None = ARCPolicy(capacity)  # None once parents are known
-        self.age = 0.0
-        self._priority: dict[ChunkId, float] = {}  # resident chunks
-        self._uses: dict[ChunkId, int] = {}
+        self.now = 0  # accesses so far: the clock ages are measured on
+        self._state: dict[ChunkId, _State] = {}  # resident chunks
         self._children: dict[ChunkId, int] = {}  # resident children, where any
         self._parent: dict[ChunkId, ChunkId] = {}  # resident chunks with a known parent
         self._announced: OrderedDict[ChunkId, ChunkId] = OrderedDict()  # stores not committed
-        self._history: OrderedDict[ChunkId, int] = OrderedDict()  # uses of evicted chunks
+        self._history: OrderedDict[ChunkId, _State] = OrderedDict()  # evicted chunks
         self._history_size = max(16 * capacity, HISTORY_MIN)
-        self._heap: list[tuple[float, int, ChunkId]] = []
+        self._refused: OrderedDict[ChunkId, None] = OrderedDict()
+        self._heaps: list[list[_Entry]] = [[] for _ in range(CLASSES)]  # oldest on top
         self._seq = 0
+        # What the densities are learnt from, per class: accesses that entered it, and reuse
+        # gaps by age bucket.
+        self._entered = [0.0] * CLASSES
+        self._gaps = [[0.0] * AGES for _ in range(CLASSES)]
+        # Until the first rebuild, a prior: more uses and less age are worth more.
+        self._density = [[(c + 1) / (1 << b) for b in range(AGES)] for c in range(CLASSES)]
+        self._until_refresh = REFRESH
+        self._until_halve = HALVE
+        self.refused = 0
 
     # --- what the index tells it ----------------------------------------------------------
 
     def on_parents(self, pairs: Sequence[tuple[ChunkId, ChunkId | None]]) -> None:
+        announced = self._announced
         for chunk, parent in pairs:
             if parent is None:
                 continue
             if self.arc is not None:
                 self._leave_arc()
-            self._announced[chunk] = parent
-            self._announced.move_to_end(chunk)
-        while len(self._announced) > 2 * self.capacity:  # stores that were never committed
-            self._announced.popitem(last=False)
+            announced[chunk] = parent
+            announced.move_to_end(chunk)
+        while len(announced) > 2 * self.capacity:  # stores that were never committed
+            announced.popitem(last=False)
 
     def on_insert(self, chunk: ChunkId) -> None:
         if self.arc is not None:
             self.arc.on_insert(chunk)
             return
-        if chunk in self._priority:
+        if chunk in self._state:
             self.on_hit(chunk)
             return
-        uses = self._history.pop(chunk, 0) + 1
-        self._uses[chunk] = uses
+        self._refused.pop(chunk, None)
         parent = self._announced.pop(chunk, None)
-        if parent is not None and parent in self._priority:
+        if parent is not None and parent in self._state:
             self._parent[chunk] = parent
             self._children[parent] = self._children.get(parent, 0) + 1
-        self._set(chunk, self.age + uses)
+        self._access(chunk, self._history.pop(chunk, None))
 
     def on_hit(self, chunk: ChunkId) -> None:
         if self.arc is not None:
             self.arc.on_hit(chunk)
             return
-        if chunk in self._priority:
-            uses = self._uses[chunk] = self._uses[chunk] + 1
-            self._set(chunk, self.age + uses)
+        held = self._state.get(chunk)
+        if held is not None:
+            self._access(chunk, held)
+
+    def on_hits(self, chunks: Sequence[ChunkId]) -> None:
+        if self.arc is not None:
+            self.arc.on_hits(chunks)
+            return
+        state, access = self._state, self._access
+        for chunk in chunks:
+            held = state.get(chunk)
+            if held is not None:
+                access(chunk, held)
 
     def on_remove(self, chunk: ChunkId) -> None:
         if self.arc is not None:
             self.arc.on_remove(chunk)
-        elif chunk in self._priority:
+        elif chunk in self._state:
             self._forget(chunk, remember=False)
 
     def evict(
@@ -101,77 +152,170 @@ class PrefixPolicy(EvictionPolicy):
     ) -> ChunkId | None:
         if self.arc is not None:
             return self.arc.evict(evictable, incoming)
-        victim = self._lowest_leaf(evictable)
-        if victim is None:
+        admitting = incoming is not None and self.now >= WARM_POOLS * self.capacity
+        if admitting and self._announced.get(incoming) in self._refused:
+            self._refuse(incoming)
+            return None
+        found = self._lowest_leaf(evictable)
+        if found is None:
             # Every leaf is pinned (a request longer than the pool): any unpinned chunk.
-            unpinned = [c for c in self._priority if evictable(c)]
+            unpinned = [c for c in self._state if evictable(c)]
             if not unpinned:
                 return None
-            victim = min(unpinned, key=self._priority.__getitem__)
-        self.age = max(self.age, self._priority[victim])
-        self._forget(victim, remember=True)
+            victim = min(unpinned, key=self._density_of)
+        else:
+            victim, density = found
+            if admitting:
+                before = self._history.get(incoming)
+                cls = _class(before[1] + 1 if before is not None else 1)
+                if self._density[cls][0] < density:  # a new member of its class, age 0
+                    self._refuse(incoming)
+                    return None
+        self._forget(victim, remember=True)  # its heap entry is superseded now
         return victim
 
     def __len__(self) -> int:
-        return len(self.arc) if self.arc is not None else len(self._priority)
+        return len(self.arc) if self.arc is not None else len(self._state)
 
     def describe(self) -> dict[str, Any]:
         if self.arc is not None:
             return {**self.arc.describe(), "policy": self.name, "tree": False}
-        return {**super().describe(), "tree": True, "age": self.age, "leaves": self._leaves()}
+        return {
+            **super().describe(),
+            "tree": True,
+            "leaves": sum(1 for c in self._state if not self._children.get(c)),
+            "refused": self.refused,
+        }
 
     # --- internals -----------------------------------------------------------------------
 
-    def _leaves(self) -> int:
-        return sum(1 for c in self._priority if not self._children.get(c))
-
-    def _set(self, chunk: ChunkId, priority: float) -> None:
-        self._priority[chunk] = priority
+    def _access(self, chunk: ChunkId, before: _State | None) -> None:
+        """A use of `chunk`: `before` is what was known of it (None: never seen)."""
+        now = self.now = self.now + 1
+        if before is None:
+            uses = 1
+        else:
+            last, uses, cls = before
+            if last >= 0:
+                self._gaps[cls][min((now - last).bit_length(), AGES - 1)] += 1
+            uses += 1
+        cls = min(uses, CLASSES) - 1
+        self._entered[cls] += 1
+        self._state[chunk] = (now, uses, cls)
         if not self._children.get(chunk):
-            self._push(chunk)
+            self._push(cls, chunk, now)
+        self._until_refresh -= 1
+        if self._until_refresh <= 0:
+            self._refresh()
 
-    def _push(self, chunk: ChunkId) -> None:
+    def _push(self, cls: int, chunk: ChunkId, last: int) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (self._priority[chunk], self._seq, chunk))
-        if len(self._heap) > 4 * len(self._priority) + 64:  # drop superseded entries
-            self._heap = [
-                item
-                for item in self._heap
-                if self._priority.get(item[2]) == item[0] and not self._children.get(item[2])
-            ]
-            heapq.heapify(self._heap)
+        entry = (last, self._seq, chunk)
+        heapq.heappush(self._heaps[cls], entry)
+        if not self._seq % 1024 and sum(map(len, self._heaps)) > 3 * len(self._state) + 64:
+            self._compact()
 
-    def _lowest_leaf(self, evictable: Callable[[ChunkId], bool]) -> ChunkId | None:
-        pinned: list[tuple[float, int, ChunkId]] = []
-        victim: ChunkId | None = None
-        while self._heap:
-            item = heapq.heappop(self._heap)
-            chunk = item[2]
-            if self._priority.get(chunk) != item[0] or self._children.get(chunk):
-                continue  # superseded, gone, or no longer a leaf
-            if not evictable(chunk):
-                pinned.append(item)
-                continue
-            victim = chunk
-            break
-        for item in pinned:
-            heapq.heappush(self._heap, item)
-        return victim
+    def _compact(self) -> None:
+        """Drop superseded heap entries (chunks used again, gone, or no longer leaves)."""
+        heaps: list[list[_Entry]] = [[] for _ in range(CLASSES)]
+        for chunk, (last, _, cls) in self._state.items():
+            if not self._children.get(chunk):
+                self._seq += 1
+                heaps[cls].append((last, self._seq, chunk))
+        for heap in heaps:
+            heap.sort()
+        self._heaps = heaps
+
+    def _refresh(self) -> None:
+        """Rebuild the density table: for a chunk of class c at age bucket b, the chance it
+        is used again (reuses at gaps from b on, over chunks that reached b unused) over the
+        mean wait for that use."""
+        self._until_refresh = REFRESH
+        self._until_halve -= REFRESH
+        halve = self._until_halve <= 0
+        for cls in range(CLASSES):
+            gaps, density = self._gaps[cls], self._density[cls]
+            before = sum(gaps)  # reuses at gaps below bucket b, as b goes down
+            tail = weighted = 0.0  # reuses at gaps from b on; their summed use times
+            for b in range(AGES - 1, -1, -1):
+                low = (1 << (b - 1)) if b else 0
+                before -= gaps[b]
+                tail += gaps[b]
+                weighted += gaps[b] * (1.5 * low if b else 0.5)
+                wait = weighted - tail * low + tail  # from the bucket's start, at least 1
+                survivors = max(self._entered[cls] - before, tail, 1.0)
+                density[b] = tail * tail / (survivors * wait) if tail else 0.0
+            if halve:
+                self._entered[cls] /= 2
+                for b in range(AGES):
+                    gaps[b] /= 2
+        if halve:
+            self._until_halve = HALVE
+
+    def _density_of(self, chunk: ChunkId) -> float:
+        last, _, cls = self._state[chunk]
+        return self._density[cls][min((self.now - last).bit_length(), AGES - 1)]
+
+    def _lowest_leaf(self, evictable: Callable[[ChunkId], bool]) -> tuple[ChunkId, float] | None:
+        """The evictable leaf of least density among each class's oldest, and its density."""
+        best: tuple[ChunkId, float] | None = None
+        best_key = (0.0, 0)
+        pinned: list[tuple[list[_Entry], _Entry]] = []
+        state, children, now = self._state, self._children, self.now
+        for cls, heap in enumerate(self._heaps):
+            while heap:
+                last, _, chunk = heap[0]
+                held = state.get(chunk)
+                if held is None or held[0] != last or children.get(chunk):
+                    heapq.heappop(heap)  # superseded, gone, or no longer a leaf
+                    continue
+                if not evictable(chunk):
+                    pinned.append((heap, heapq.heappop(heap)))
+                    continue
+                density = self._density[cls][min((now - last).bit_length(), AGES - 1)]
+                if best is None or (density, last) < best_key:
+                    best, best_key = (chunk, density), (density, last)
+                break
+        for heap, item in pinned:
+            heapq.heappush(heap, item)
+        return best
+
+    def _refuse(self, incoming: ChunkId | None) -> None:
+        """Turn a store away. It was an access all the same: counted, and remembered, so
+        the chunk comes back a class higher if it is asked for again."""
+        self.refused += 1
+        self._refused[incoming] = None
+        if len(self._refused) > REFUSED_MAX:
+            self._refused.popitem(last=False)
+        before = self._history.pop(incoming, None)
+        now = self.now = self.now + 1
+        if before is None:
+            uses = 1
+        else:
+            last, uses, cls = before
+            self._gaps[cls][min((now - last).bit_length(), AGES - 1)] += 1
+            uses += 1
+        cls = _class(uses)
+        self._entered[cls] += 1
+        self._history[incoming] = (now, uses, cls)
+        if len(self._history) > self._history_size:
+            self._history.popitem(last=False)
 
     def _forget(self, chunk: ChunkId, remember: bool) -> None:
-        del self._priority[chunk]
-        uses = self._uses.pop(chunk)
+        held = self._state.pop(chunk)
         self._children.pop(chunk, None)
         parent = self._parent.pop(chunk, None)
-        if parent is not None and parent in self._priority and parent in self._children:
+        if parent is not None and parent in self._children:
             left = self._children[parent] - 1
             if left > 0:
                 self._children[parent] = left
             else:
                 del self._children[parent]
-                self._push(parent)  # a leaf now
+                last, _, cls = self._state[parent]
+                self._push(cls, parent, last)  # a leaf now
         if remember:
-            self._history[chunk] = uses
+            self._history[chunk] = held
+            self._history.move_to_end(chunk)
             if len(self._history) > self._history_size:
                 self._history.popitem(last=False)
 
@@ -182,5 +326,4 @@ class PrefixPolicy(EvictionPolicy):
         assert arc is not None
         for uses, chunks in ((1, arc.t1), (2, arc.t2)):
             for chunk in chunks:
-                self._uses[chunk] = uses
-                self._set(chunk, float(uses))
+                self._access(chunk, None if uses == 1 else (-1, 1, 0))
