@@ -11,8 +11,9 @@ mapping the pool is an AgentUnavailable too: a client that cannot reach the pool
 
 Lookups of the host pool are answered in this process from the index the agent publishes
 beside the pool (see shm_index.py), with no round trip; what was looked up goes to the agent
-afterwards as a one-way Lookup from a reporting thread, so its hit counts, the eviction
-order's recency and its access log see every lookup. A hit is a hint: the chunk may be
+afterwards in batched one-way Looked messages (at most REPORT_SECONDS late, or before the
+next request that waits for the agent), so its hit counts, the eviction order's recency and
+its access log see every lookup. A hit is a hint: the chunk may be
 evicted before it is leased, and the lease then says MISS. Lookups that may need the
 secondary tiers (some key missed the pool, the agent has tiers) or name a source still ask
 the agent.
@@ -29,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import queue
 import struct
 import threading
 import time
@@ -41,6 +41,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 import zmq
 
 from kvtier.agent import protocol as p
@@ -49,6 +50,8 @@ from kvtier.agent.pool import Bytes, PoolMap
 from kvtier.agent.shm_index import TableReader, digest, digests, index_path
 
 _RID = struct.Struct("<Q")
+REPORT_SECONDS = 0.05  # lookups answered here reach the agent at most this late...
+REPORT_KEYS = 8192  # ...or once this many keys wait
 
 
 class AgentUnavailable(ConnectionError):
@@ -121,8 +124,10 @@ class AgentClient:
         self.pool: PoolMap | None = None
         self.index: TableReader | None = None
         self.hello: p.HelloReply | None = None
-        self._reports: queue.SimpleQueue[p.Lookup | None] = queue.SimpleQueue()
-        self._reporter: threading.Thread | None = None
+        self._reports: dict[str, list[npt.NDArray[np.uint64]]] = {}
+        self._reports_lock = threading.Lock()
+        self._reported_keys = 0
+        self._report_due = 0.0
 
     # --- connection ----------------------------------------------------------------------
 
@@ -179,11 +184,7 @@ class AgentClient:
         self.index = fresh
 
     def close(self) -> None:
-        reporter = self._reporter
-        if reporter is not None:
-            self._reports.put(None)
-            reporter.join(timeout=self.timeout)
-            self._reporter = None
+        self.flush_reports()
         if self.index is not None:
             self.index.close()
             self.index = None
@@ -224,41 +225,68 @@ class AgentClient:
         keys = list(keys)
         index = self._live_index()
         if index is not None and not source and keys:
-            slots, _ = index.find(digests(namespace, keys))
+            ds = digests(namespace, keys)
+            slots, _ = index.find(ds)
             held = slots >= 0
             hello = self.hello
             if held.all() or (hello is not None and not hello.tiers):
-                hits = held.tolist()
-                self.report(namespace, keys)
+                self.report(namespace, ds)
                 prefix = len(keys) if held.all() else int(held.argmin())
-                return LookupResult(hits, prefix, [0 if h else -1 for h in hits])
+                return LookupResult(held.tolist(), prefix, np.where(held, 0, -1).tolist())
         reply = self._call(p.Lookup(namespace, keys, source), p.LookupReply)
         return LookupResult(reply.hits, reply.prefix, reply.where)
 
     def find(self, namespace: str, key: bytes) -> bool | None:
-        """Whether the pool holds one key, from the published index (None when there is no
-        index to ask: then only the agent can say). Not reported: see `report`."""
-        index = self._live_index()
-        if index is None:
+        """Whether the pool holds one key, from the published index, without ever blocking
+        (the plug-in asks on vLLM's scheduler thread): None when there is no live index to
+        ask (not connected yet, the agent gone or restarted), and only the agent can say.
+        Not reported: see `report`."""
+        index = self.index
+        if index is None or index.retired or not index.alive():
             return None
         return index.find_one(digest(namespace, key))[0] >= 0
 
-    def report(self, namespace: str, keys: list[bytes]) -> None:
-        """Tell the agent, one way and off this thread, that these keys were looked up (one
-        request's keys in order): it counts hits and misses, refreshes the hits' recency
-        and logs the request, as if it had answered the lookup itself."""
-        if not keys:
+    def report(self, namespace: str, digests: npt.NDArray[np.uint64]) -> None:
+        """Tell the agent that these keys (one request's, in order, as index digests) were
+        looked up: it counts hits and misses, refreshes the hits' recency and logs the
+        request, as if it had answered the lookup itself. Reports wait to go together,
+        one way, at most REPORT_SECONDS or REPORT_KEYS keys (the plug-in flushes every
+        scheduler step)."""
+        if not len(digests):
             return
-        if self._reporter is None:
-            self._reporter = threading.Thread(
-                target=self._report_loop, name="kvtier-report", daemon=True
-            )
-            self._reporter.start()
-        self._reports.put(p.Lookup(namespace, keys))
+        now = time.monotonic()
+        with self._reports_lock:
+            if not self._reports:
+                self._report_due = now + REPORT_SECONDS
+            self._reports.setdefault(namespace, []).append(digests)
+            self._reported_keys += len(digests)
+            due = self._reported_keys >= REPORT_KEYS or now >= self._report_due
+        if due:
+            self.flush_reports()
 
-    def _report_loop(self) -> None:
-        while (report := self._reports.get()) is not None:
-            self._send(report)
+    def flush_reports(self, block: bool = True) -> None:
+        """Send the reports that wait, one message per namespace. With `block` false (on
+        vLLM's scheduler thread) they wait for a later flush if another thread is in the
+        middle of a round trip."""
+        if not self._io_lock.acquire(blocking=block):
+            return
+        try:
+            with self._reports_lock:
+                reports, self._reports, self._reported_keys = self._reports, {}, 0
+            for namespace, requests in reports.items():
+                for start in range(0, len(requests), p.MAX_KEYS):
+                    part = requests[start : start + p.MAX_KEYS]
+                    message = p.Looked(
+                        namespace,
+                        np.concatenate(part).astype("<u8").tobytes(),
+                        [len(r) for r in part],
+                    )
+                    with contextlib.suppress(zmq.Again):
+                        self._socket().send_multipart(
+                            [p.ONE_WAY, p.encode(message)], flags=zmq.NOBLOCK, copy=True
+                        )
+        finally:
+            self._io_lock.release()
 
     def _live_index(self) -> TableReader | None:
         """The published index while it is this agent process's; a retired one (the agent
@@ -427,6 +455,8 @@ class AgentClient:
         has not (or not since a timeout), and again once if the agent does not know this
         connection. Threads may share a client: one request at a time on the socket, while
         copies of chunk bytes happen outside this lock."""
+        if self._reports:
+            self.flush_reports()  # what was looked up here reaches the agent before it answers
         deadline = time.monotonic() + self.timeout
         with self._io_lock:
             try:

@@ -34,7 +34,8 @@ from kvtier.agent.config import HostTierConfig
 from kvtier.agent.index import BUSY, EXISTS, FULL, MISS, Entry, HostIndex
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
-from kvtier.agent.pool import PoolGeometry, create_or_reuse, slot_payload_bytes
+from kvtier.agent.pool import create_or_reuse
+from kvtier.agent.pool_layout import PoolGeometry, slot_payload_bytes
 from kvtier.agent.shm_index import TableWriter, index_path
 
 log = logging.getLogger("kvtier.agent.host")
@@ -105,6 +106,15 @@ class HostTier:
         self._looked_up += len(keys)
         self._found += sum(hits)
         return hits, prefix
+
+    def lookup_digests(self, namespace: str, digests: list[int]) -> list[bool]:
+        """Lookups a client answered from the published index, by digest: counted, and
+        the hits' recency refreshed, as if answered here."""
+        with self.lock:
+            hits = self.index.lookup_digests(namespace, digests)
+        self._looked_up += len(digests)
+        self._found += sum(hits)
+        return hits
 
     def after_reply(self) -> None:
         """Bookkeeping that need not delay an answer: the policy's view of recent hits and

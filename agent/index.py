@@ -110,6 +110,7 @@ class HostIndex:
         self._lease_ids = itertools.count((boot << 32) + 1)
         self._generations = itertools.count((boot << 32) + 1)
         self._pending_hits: list[tuple[str, list[bytes], list[bool]]] = []
+        self._published: dict[int, Entry] = {}  # digest -> entry, for reported lookups
         self._touched: list[Entry] = []
         self.counters = IndexCounters()
         self.events = ChunkEvents()
@@ -133,6 +134,19 @@ class HostIndex:
         self.counters.lookups += len(keys)
         self.counters.hits += n_hits
         return hits, hits.index(False) if n_hits < len(keys) else len(keys)
+
+    def lookup_digests(self, namespace: str, digests: list[int]) -> list[bool]:
+        """`lookup` by index digests (what clients report of the lookups they answered
+        from the published table): the hits are the chunks published under them now."""
+        found = [self._published.get(d) for d in digests]
+        hits = [e is not None and e.id[0] == namespace for e in found]
+        n_hits = sum(hits)
+        if n_hits:
+            keys = [e.id[1] for e, hit in zip(found, hits, strict=True) if hit and e is not None]
+            self._pending_hits.append((namespace, keys, [True] * len(keys)))
+        self.counters.lookups += len(digests)
+        self.counters.hits += n_hits
+        return hits
 
     def touch(self) -> None:
         """Tell the policy about the hits of lookups answered since the last call and raise
@@ -424,11 +438,13 @@ class HostIndex:
             d = digest(ns, key)
             if self.table.put(d, entry.slot, entry.generation):
                 entry.published = d
+                self._published[d] = entry
 
     def _forget(self, entry: Entry) -> None:
         ns, key = entry.id
         if entry.published and self.table is not None:
             self.table.remove(entry.published)
+            del self._published[entry.published]
             entry.published = 0
         del self._by_ns[ns][key]
         del self._ready[ns][key]

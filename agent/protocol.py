@@ -3,7 +3,7 @@
 Messages are msgspec structs encoded as msgpack, sent over a ZMQ DEALER/ROUTER pair on an
 ipc socket as two frames: an 8-byte request id, so a client that timed out can tell a late
 reply from the one it waits for, and the body. Requests whose outcome the client does not
-need (Abort, EndLoad) go one-way with the id ONE_WAY and get no reply, so a load costs one
+need (Abort, EndLoad, Looked) go one-way with the id ONE_WAY and get no reply, so a load costs one
 round trip; a store costs two (Allocate, Commit), so that a finished store is visible to
 every client at once. Chunk bytes never travel here:
 both sides map the same pool file and the messages carry slot numbers. This module imports
@@ -22,7 +22,9 @@ from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: connection-bound clients, lease generations, error codes
+# 2: connection-bound clients, lease generations, error codes
+# 3: the published index (clients answer pool lookups themselves) and Looked reports
+PROTOCOL_VERSION = 3
 ONE_WAY = b"\0" * 8
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_KEYS = 65536
@@ -61,6 +63,19 @@ class Lookup(msgspec.Struct, tag="lookup"):
     namespace: Namespace
     keys: Keys
     source: Source = ""
+
+
+class Looked(msgspec.Struct, tag="looked"):
+    """One-way: lookups a client answered itself from the published index (shm_index.py).
+    `digests` holds the looked-up keys' index digests (u64 little-endian), request after
+    request, `sizes` how many keys each request had, in the order it asked for them. The
+    agent counts hits and misses, refreshes the recency of the hits and logs each request,
+    as if it had answered them. Digests, not keys: 8 bytes a key to encode and send, and
+    the agent finds the hits by digest in its own copy of the table."""
+
+    namespace: Namespace
+    digests: Annotated[bytes, msgspec.Meta(max_length=8 * MAX_KEYS * 16)]
+    sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_KEYS)]
 
 
 class Allocate(msgspec.Struct, tag="allocate"):
@@ -109,7 +124,17 @@ class AccessLog(msgspec.Struct, tag="access_log"):
 
 
 Request = (
-    Hello | Lookup | Allocate | Commit | Abort | BeginLoad | EndLoad | Stats | Events | AccessLog
+    Hello
+    | Lookup
+    | Looked
+    | Allocate
+    | Commit
+    | Abort
+    | BeginLoad
+    | EndLoad
+    | Stats
+    | Events
+    | AccessLog
 )
 
 
@@ -192,6 +217,8 @@ def check(request: Request) -> None:
     namespace = getattr(request, "namespace", None)
     if namespace is not None and len(namespace.encode()) > MAX_NAMESPACE_BYTES:
         raise ValueError(f"namespace is longer than {MAX_NAMESPACE_BYTES} bytes")
+    if isinstance(request, Looked) and 8 * sum(request.sizes) != len(request.digests):
+        raise ValueError("a Looked report's sizes do not add up to its digests")
 
 
 Reply = (

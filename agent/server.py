@@ -39,6 +39,7 @@ from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.report import Reporter, make_registry
 from kvtier.agent.runtime_checks import check_runtime
 from kvtier.agent.secondary import MISS, SecondaryTiers
+from kvtier.agent.shm_index import digest_ids
 from kvtier.agent.tiers import SecondaryTier
 from kvtier.agent.tiers.peer import PeerTier
 from kvtier.agent.tiers.peer_server import PeerServer
@@ -260,10 +261,23 @@ class Agent:
         match request:
             case p.Lookup(namespace, keys, source):
                 hits, prefix = host.lookup(namespace, keys)
-                self.access_log.record_request(namespace, keys, hits)
+                # keys logged by digest, as lookups clients answer are reported (Looked)
+                self.access_log.record_request(namespace, digest_ids(namespace, keys), hits)
                 if self.tiers is not None and prefix < len(keys):
                     return lambda: self._lookup_tiers(namespace, keys, hits, source, deadline)
                 return p.LookupReply(hits, prefix, [0 if h else MISS for h in hits])
+            case p.Looked(namespace, digests, sizes):
+                # Lookups a client answered from the published index: the one place where
+                # they reach the counters, the policy's recency and the access log.
+                start = 0
+                for size in sizes:
+                    part = digests[start : start + 8 * size]
+                    start += len(part)
+                    ids = [part[i : i + 8] for i in range(0, len(part), 8)]
+                    hits = host.lookup_digests(
+                        namespace, [int.from_bytes(d, "little") for d in ids]
+                    )
+                    self.access_log.record_request(namespace, ids, hits)
             case p.Allocate(namespace, keys, nbytes, parents):
                 if parents is not None:  # for the policy, before the store evicts anything
                     with host.lock:

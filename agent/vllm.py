@@ -4,8 +4,11 @@ vLLM loads this module inside its scheduler process from the `--kv-transfer-conf
 (`"type": "KVTierSecondaryTier", "module_path": "kvtier.agent.vllm"`). Everything here runs
 in vLLM's own environment and imports only what vLLM already has (numpy, pyzmq, msgspec).
 
-Nothing blocks the scheduler: lookups are batched into one agent round trip per scheduler
-step on vLLM's async-lookup thread (answering RETRY until the batch returns), and stores and
+Nothing blocks the scheduler: a key the node's pool holds is a HIT in the same scheduler step,
+found in the index the agent publishes in shared memory (and so is a MISS when the agent has
+no secondary tiers); the keys looked up that way reach the agent once per step in one one-way
+report. Other lookups are batched into one agent round trip per scheduler step on vLLM's
+async-lookup thread (answering RETRY until the batch returns), and stores and
 loads copy rows between vLLM's primary host buffer and the agent's shared pool on worker
 threads, reporting through `get_finished_jobs`. An agent that is unreachable or restarting
 turns lookups into misses and stores into dropped jobs, counted and logged once per outage.
@@ -44,12 +47,14 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
 from kvtier.agent.fingerprint import describe, engine_fingerprint, with_hash_seed
+from kvtier.agent.shm_index import digest
 
 # A child of vLLM's own logger: vLLM configures only "vllm" (its handler, format and
 # VLLM_LOGGING_LEVEL), so this is how the plug-in's lines reach a vLLM user's output.
 log = logging.getLogger("vllm.kvtier")
 
 EVENTS_POLL_SECONDS = 0.5
+FAILED_LOAD_SECONDS = 5.0  # a key whose load failed is a miss this long (no retry livelock)
 
 
 class Metrics:
@@ -189,6 +194,11 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._refusals: set[str] = set()
         self._connect_lock = threading.Lock()
         self._lookup = _AgentLookup(self)
+        # Lookups answered from the published index this step, per request (reported once
+        # per step), and the keys each request already reported (each key once).
+        self._looked: dict[str, list[int]] = {}
+        self._reported: dict[str, set[OffloadKey]] = {}
+        self._failed_until: dict[OffloadKey, float] = {}
         log.info("kvtier tier %s: agent %s, rows of %d bytes", tier_type, agent, self._row_bytes)
         if self._vllm_config is None:
             log.warning(
@@ -252,16 +262,41 @@ class KVTierSecondaryTier(SecondaryTierManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._note_positions([key], req_context)
+        local = self._local_lookup(key, req_context)
+        if local is not None:
+            return local
         found = self._lookup.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
         return LookupResult.HIT if found else LookupResult.MISS
+
+    def _local_lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult | None:
+        """HIT when the pool holds the key (and MISS when it does not and the agent has no
+        other tier), from the published index, in this scheduler step; None when only the
+        agent can say (no index yet, a source to ask, secondary tiers to look in)."""
+        hello = self._client.hello
+        if hello is None or source_of(req_context) or key in self._failed_until:
+            return None
+        namespace = self.namespace
+        held = self._client.find(namespace, bytes(key))
+        if held is None or (not held and hello.tiers):
+            return None
+        req_id = req_context.req_id
+        reported = self._reported.setdefault(req_id, set())
+        if key not in reported:
+            reported.add(key)
+            self._looked.setdefault(req_id, []).append(digest(namespace, bytes(key)))
+            self._record("counter", Metrics.LOOKUPS, 1)
+            if held:
+                self._record("counter", Metrics.HITS, 1)
+        return LookupResult.HIT if held else LookupResult.MISS
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookup.cleanup(req_context.req_id)
+        self._reported.pop(req_context.req_id, None)
         with self._chains_lock:
             self._chains.pop(req_context.req_id, None)
 
@@ -301,13 +336,19 @@ class KVTierSecondaryTier(SecondaryTierManager):
         return parents if any(p is not None for p in parents) else None
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        now = time.monotonic()
         while True:
             try:
-                self._lookup.mark_miss(self._failed_loads.get_nowait())
+                failed = self._failed_loads.get_nowait()
             except queue.Empty:
                 break
+            self._lookup.mark_miss(failed)
+            for key in failed:
+                self._failed_until[key] = now + FAILED_LOAD_SECONDS
+        if self._failed_until:
+            self._failed_until = {k: t for k, t in self._failed_until.items() if t > now}
         self._lookup.flush()
-        now = time.monotonic()
+        self._report_lookups()
         if (
             self._events is not None
             and now >= self._next_events_poll
@@ -315,6 +356,16 @@ class KVTierSecondaryTier(SecondaryTierManager):
         ):
             self._next_events_poll = now + EVENTS_POLL_SECONDS
             self._events_poll = self._copiers.submit(self._poll_events)
+
+    def _report_lookups(self) -> None:
+        """The lookups answered here this step, one request each, to the agent: one
+        one-way message (it counts them, refreshes recency, logs the requests)."""
+        looked, self._looked = self._looked, {}
+        if not looked or self._namespace is None:
+            return
+        for digests in looked.values():
+            self._client.report(self._namespace, np.array(digests, np.uint64))
+        self._client.flush_reports(block=False)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(self._store, job_metadata)

@@ -2,7 +2,10 @@
 
 Store = allocate round trip + copy into pool slots + commit round trip (checksums are
 computed by the agent's sealer, concurrently). Load = begin-load round trip + copy out +
-end-load round trip. The baseline copies the same rows between two populated mappings with
+end-load round trip. Lookups are answered by the client from the published index and
+compared with one bare ZMQ ipc round trip measured in the same run; the index's bytes per
+entry and batched lookups per second are measured on 2^20 entries. The baseline copies the
+same rows between two populated mappings with
 the same number of threads, and is measured in alternation with kvtier so both see the same
 machine state.
 """
@@ -132,33 +135,143 @@ def wait_sealed(client: AgentClient, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    samples = sorted(samples)
+    return {
+        "p50_us": samples[len(samples) // 2] * 1e6,
+        "p99_us": samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1e6,
+    }
+
+
 def lookup_latency(batches: list[int], reps: dict[int, int]) -> dict[str, dict[str, float]]:
-    """Round-trip latency of batched lookups, every key held by the agent."""
+    """Latency of batched lookups as vLLM's scheduler makes them: answered in the client's
+    process from the published index, half the keys held by the pool and half not (their
+    order shuffled), the report to the agent included."""
     biggest = max(batches)
     out: dict[str, dict[str, float]] = {}
     with bench_agent(PAGE, slots=biggest + 16) as config, AgentClient(config.endpoint) as client:
-        keys = [b"%032d" % i for i in range(biggest)]
+        held = [b"%032d" % i for i in range(biggest)]
         row = np.zeros(PAGE, np.uint8)
         for start in range(0, biggest, 1024):
-            batch = keys[start : start + 1024]
+            batch = held[start : start + 1024]
             client.store(NS, batch, [row] * len(batch))
         wait_sealed(client)
+        rng = np.random.default_rng(0)
         for n in batches:
             samples = []
             for rep in range(reps[n]):
                 offset = (rep * 7919) % (biggest - n + 1)
+                keys = held[offset : offset + n // 2] + [
+                    b"m%031d" % (rep * n + i) for i in range(n - n // 2)
+                ]
+                keys = [keys[i] for i in rng.permutation(n)]
                 t = time.perf_counter()
-                result = client.lookup(NS, keys[offset : offset + n])
+                result = client.lookup(NS, keys)
                 samples.append(time.perf_counter() - t)
-                assert result.prefix == n
-            samples.sort()
-            label = f"{n // 1024}k"
-            out[label] = {
-                "keys": n,
-                "p50_us": samples[len(samples) // 2] * 1e6,
-                "p99_us": samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1e6,
-            }
+                assert sum(result.hits) == n // 2
+            out[f"{n // 1024}k"] = {"keys": n, **_percentiles(samples)}
     return out
+
+
+def _echo(endpoint: str, ready: Any) -> None:
+    import zmq
+
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    ready.set()
+    while True:
+        frames = sock.recv_multipart()
+        if frames[-1] == b"stop":
+            return
+        sock.send_multipart(frames)
+
+
+def ipc_round_trip(reps: int) -> dict[str, float]:
+    """One bare ZMQ round trip over an ipc socket (DEALER to a ROUTER echoing in another
+    process), the messages as small as a lookup's reply header: the floor any lookup that
+    asks the agent pays."""
+    import multiprocessing as mp
+
+    import zmq
+
+    directory = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
+    endpoint = f"ipc://{directory}/echo.sock"
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_echo, args=(endpoint, ready))
+    proc.start()
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        ready.wait(30)
+        sock.connect(endpoint)
+        body = b"x" * 64
+        samples = []
+        for _ in range(reps + 20):
+            t = time.perf_counter()
+            sock.send_multipart([b"rid00000", body])
+            sock.recv_multipart()
+            samples.append(time.perf_counter() - t)
+        sock.send_multipart([b"rid00000", b"stop"])
+        return _percentiles(samples[20:])
+    finally:
+        sock.close(linger=0)
+        proc.join(10)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def index_footprint_and_rate(entries: int, batch: int = 1024) -> dict[str, float]:
+    """The published table and the agent's own index holding `entries` chunks: bytes per
+    entry of each, and batched lookups per second (one thread) on the table, digests
+    included, half the keys held."""
+    import tracemalloc
+
+    from kvtier.agent.index import HostIndex
+    from kvtier.agent.policy import make_policy
+    from kvtier.agent.shm_index import TableReader, TableWriter, digests, table_bytes
+
+    directory = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
+    path = directory / "bench.pool.index"
+    keys = [i.to_bytes(32, "little") + b"\0\0\0\1" for i in range(entries)]
+    try:
+        writer = TableWriter(path, entries, boot=1)
+        for slot, d in enumerate(digests(NS, keys).tolist()):
+            writer.put(d, slot, slot + 1)
+        reader = TableReader(path)
+        misses = [b"miss" + k[4:] for k in keys[: entries // 2]]
+        rounds = max(1, min(entries // batch, 400))
+        queries = [
+            keys[(r * batch) % entries : (r * batch) % entries + batch // 2]
+            + misses[(r * batch) % len(misses) : (r * batch) % len(misses) + batch // 2]
+            for r in range(rounds)
+        ]
+        started = time.perf_counter()
+        for q in queries:
+            reader.find(digests(NS, q))
+        rate = sum(len(q) for q in queries) / (time.perf_counter() - started)
+        table_per_entry = table_bytes(writer.capacity) / entries
+        reader.close()
+        writer.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    # The agent's own index, measured on a tenth as many chunks (it is plain Python objects,
+    # so its bytes per chunk do not depend on how many there are).
+    sample = max(1, entries // 10)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = HostIndex(sample, make_policy("lru", sample))
+    for start in range(0, sample, 1024):
+        part = keys[start : start + 1024]
+        lease, _, _ = index.allocate("bench", NS, part, PAGE, float("inf"))
+        index.commit(lease, "bench")
+    agent_per_entry = (tracemalloc.get_traced_memory()[0] - before) / sample
+    tracemalloc.stop()
+    del index
+    return {
+        "index_bytes_per_entry": table_per_entry,
+        "agent_index_bytes_per_entry": agent_per_entry,
+        "index_lookups_per_s": rate,
+        "index_entries": entries,
+    }
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -171,14 +284,18 @@ def run(quick: bool) -> dict[str, Any]:
     duration, rounds = (0.25, 2) if quick else (0.6, 3)
     cases: list[dict[str, Any]] = []
     with Progress(transient=True) as progress:
-        task = progress.add_task("host tier vs memcpy", total=len(sizes) * len(thread_counts) + 1)
+        task = progress.add_task("host tier vs memcpy", total=len(sizes) * len(thread_counts) + 3)
         for row in sizes:
             for threads in thread_counts:
                 cases.extend(copy_cases(row, threads, duration, rounds))
                 progress.advance(task)
         lookup = lookup_latency(
-            [1024, 32768], {1024: 100 if quick else 400, 32768: 10 if quick else 40}
+            [1024, 32768], {1024: 200 if quick else 1000, 32768: 10 if quick else 40}
         )
+        progress.advance(task)
+        rtt = ipc_round_trip(200 if quick else 1000)
+        progress.advance(task)
+        index = index_footprint_and_rate(1 << 20)
         progress.advance(task)
 
     def worst(op: str, field: str = "ratio") -> float:
@@ -199,4 +316,8 @@ def run(quick: bool) -> dict[str, Any]:
         "lookup_p50_us_1k": lookup["1k"]["p50_us"],
         "lookup_p99_us_1k": lookup["1k"]["p99_us"],
         "lookup_p99_us_32k": lookup["32k"]["p99_us"],
+        "ipc_rtt_p50_us": rtt["p50_us"],
+        "ipc_rtt_p99_us": rtt["p99_us"],
+        "lookup_p99_ratio_vs_ipc_rtt": lookup["1k"]["p99_us"] / rtt["p99_us"],
+        **index,
     }
