@@ -2,16 +2,18 @@
 its own traffic (`kvtier trace` exports it, `kvtier plan` reads it).
 
 What is kept is the least a replay needs and nothing that reveals a prompt: per request its
-arrival time, how many of its chunks the pool held, and its chunk keys as 64-bit digests
-keyed with a secret drawn when the agent starts (so equal keys are equal ids within one
-agent's log, and the ids cannot be matched against keys seen anywhere else). vLLM's keys are
-already chained hashes of token ids; the digest also hides the namespace, which names the
-model. The export renumbers the digests in order of first appearance, as Mooncake's traces
-do, so what leaves the node is only the reuse structure.
+arrival time, how many of its chunks the pool held, and its chunk keys as 64-bit ids. An id
+is the interpreter's keyed hash of the key (SipHash, which the index's lookup has already
+computed and cached on the key, so logging costs the lookup path almost nothing), mixed when
+a page is read with a salt per namespace keyed by a secret drawn when the agent starts:
+equal keys are equal ids within one agent's log, namespaces (which name models) stay apart
+and unnamed, and the export renumbers the ids in order of first appearance, as Mooncake's
+traces do, so what leaves the node is only the reuse structure. vLLM's keys are themselves
+chained hashes of token ids, never tokens.
 
 Requests are sampled whole, never chunk by chunk: a replay counts a request's hits up to its
 first miss, so a request missing half its keys would be a different request. The choice is
-made on the digest of the request's first chunk (spatial sampling, as in SHARDS): requests
+made on the id of the request's first chunk (spatial sampling, as in SHARDS): requests
 that start with the same chunk are all kept or all dropped, so the reuse among the ones kept
 is the real reuse, and a cache of capacity C for the whole traffic behaves like a cache of
 rate x C for the sample (`kvtier plan` scales capacities by the rate it reads from the
@@ -29,16 +31,16 @@ import hashlib
 import secrets
 import threading
 import time
-from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.agent import protocol as p
 
-DEFAULT_MAX_KEYS = 1 << 20  # 8 MiB of digests
+DEFAULT_MAX_KEYS = 1 << 20  # about 40 MiB at most
 PAGE_KEYS = 1 << 16  # keys per page of an export (well under the protocol's message bound)
 _SAMPLE_SPACE = 1 << 24
+MAX_NAMESPACES = 4096
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,9 @@ class Logged:
 
     seq: int
     time: float  # seconds, the clock `record_request` was given
-    ids: array  # type: ignore[type-arg]  # array('Q'): the keys' digests
+    ids: Sequence[int]  # the keys' 64-bit ids
     hits: int  # keys the pool held when the request was answered
+    salt: int = 0  # the namespace's, not yet mixed into `ids`
 
 
 class AccessLog:
@@ -66,6 +69,7 @@ class AccessLog:
         self.sample_rate = sample_rate
         self._threshold = round(sample_rate * _SAMPLE_SPACE)
         self._secret = secret if secret is not None else secrets.token_bytes(16)
+        self._salts: dict[str, int] = {}
         self._entries: deque[Logged] = deque()
         self._keys = 0
         self._seq = 0
@@ -74,9 +78,14 @@ class AccessLog:
         self.requests_sampled = 0
         self.dropped = 0  # sampled requests pushed out by newer ones
 
-    def _digest(self, namespace: bytes, key: bytes) -> int:
-        h = hashlib.blake2b(key, digest_size=8, key=self._secret, person=namespace[-16:])
-        return int.from_bytes(h.digest(), "little")
+    def _salt(self, namespace: str) -> int:
+        salt = self._salts.get(namespace)
+        if salt is None:
+            if len(self._salts) >= MAX_NAMESPACES:
+                self._salts.clear()  # ids stay apart: the salt is the same when recomputed
+            h = hashlib.blake2b(namespace.encode(), digest_size=8, key=self._secret)
+            salt = self._salts[namespace] = int.from_bytes(h.digest(), "little", signed=True)
+        return salt
 
     def record_request(
         self,
@@ -90,18 +99,21 @@ class AccessLog:
         self.requests_seen += 1
         if not keys:
             return False
-        ns = hashlib.blake2b(namespace.encode(), digest_size=16, key=self._secret).digest()
-        first = self._digest(ns, keys[0])
-        if (first >> 40) % _SAMPLE_SPACE >= self._threshold:
-            return False
-        ids = array("Q", [first])
-        ids.extend(self._digest(ns, k) for k in keys[1 : self.max_keys])
+        salt = self._salt(namespace)
+        if self._threshold < _SAMPLE_SPACE:
+            mixed = hashlib.blake2b((hash(keys[0]) ^ salt).to_bytes(8, "little", signed=True))
+            if int.from_bytes(mixed.digest()[:4], "little") % _SAMPLE_SPACE >= self._threshold:
+                return False
+        # The interpreter's keyed hash of each key (SipHash, already computed and cached on
+        # the key when the index looked it up): cheap on the lookup path. It never leaves the
+        # agent as such: pages mix in the namespace's salt, and exports renumber.
+        ids = tuple(map(hash, keys[: self.max_keys]))  # faster to build than an array
         count = hits if isinstance(hits, int) else sum(hits)
         when = time.time() if now is None else now
         with self._lock:
             self._seq += 1
             self.requests_sampled += 1
-            self._entries.append(Logged(self._seq, when, ids, count))
+            self._entries.append(Logged(self._seq, when, ids, count, salt))
             self._keys += len(ids)
             while self._keys > self.max_keys and len(self._entries) > 1:
                 gone = self._entries.popleft()
@@ -109,9 +121,7 @@ class AccessLog:
                 self.dropped += 1
         return True
 
-    def page(self, after: int, max_keys: int = PAGE_KEYS) -> tuple[list[Logged], int, bool]:
-        """Requests logged after sequence `after`, oldest first, at most `max_keys` keys in
-        all (but at least one request); the sequence to ask after next; whether more wait."""
+    def _page(self, after: int, max_keys: int) -> tuple[list[Logged], int, bool]:
         with self._lock:
             out: list[Logged] = []
             total = 0
@@ -124,11 +134,19 @@ class AccessLog:
                 total += len(entry.ids)
             return out, out[-1].seq if out else max(after, 0), False
 
+    def page(self, after: int, max_keys: int = PAGE_KEYS) -> tuple[list[Logged], int, bool]:
+        """Requests logged after sequence `after`, oldest first, at most `max_keys` keys in
+        all (but at least one request), each key's id mixed with its namespace's salt; the
+        sequence to ask after next; whether more wait."""
+        raw, next_seq, more = self._page(after, max_keys)
+        mixed = [Logged(e.seq, e.time, [h ^ e.salt for h in e.ids], e.hits) for e in raw]
+        return mixed, next_seq, more
+
     def reply(self, after: int) -> p.AccessLogReply:
         """The protocol's answer to `AccessLog(after)`: one page."""
         logged, next_seq, more = self.page(after)
         return p.AccessLogReply(
-            [p.LoggedRequest(e.seq, e.time, e.ids.tolist(), e.hits) for e in logged],
+            [p.LoggedRequest(e.seq, e.time, list(e.ids), e.hits) for e in logged],
             next_seq,
             more,
             self.sample_rate,

@@ -38,14 +38,12 @@ class Exported:
 
 def fetch(client: AgentClient) -> tuple[list[Logged], float, int]:
     """Every request in the agent's log, page by page; (requests, sample rate, dropped)."""
-    from array import array
-
     out: list[Logged] = []
     after = 0
     while True:
         # The control call the plug-in's client makes for every request, with this message.
         reply: p.AccessLogReply = client._call(p.AccessLog(after), p.AccessLogReply)
-        out += [Logged(r.seq, r.time, array("Q", r.ids), r.hits) for r in reply.requests]
+        out += [Logged(r.seq, r.time, r.ids, r.hits) for r in reply.requests]
         if not reply.more or reply.next <= after:
             return out, reply.sample_rate, reply.dropped
         after = reply.next
