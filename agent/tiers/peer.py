@@ -36,7 +36,7 @@ from kvtier.agent.tiers.base import (
     check_blob,
     check_payload,
 )
-from kvtier.agent.tiers.peer_directory import home_of
+from kvtier.agent.tiers.peer_directory import homes
 from kvtier.agent.tiers.peer_server import PeerServer
 from kvtier.agent.tiers.peer_wire import (
     ABSENT,
@@ -54,6 +54,7 @@ from kvtier.agent.tiers.peer_wire import (
     Return,
     WhoHas,
     Withdraw,
+    decode_holders,
     decode_loan,
     decode_statuses,
     encode,
@@ -105,10 +106,13 @@ class _Connection:
         self._keys = keys
         self.server_key = server_key
         self._timeout_ms = int(timeout * 1000)
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # one request at a time
         self._rids = itertools.count(1)
         self._sock: zmq.Socket[bytes] | None = None
         self.used = time.monotonic()
+
+    def next_rid(self) -> int:
+        return next(self._rids)
 
     @property
     def open(self) -> bool:
@@ -117,22 +121,22 @@ class _Connection:
     def close_if_idle(self, unused_since: float) -> bool:
         """Close the socket when it was last used before `unused_since` (and is not in use
         now): an idle peer costs neither side a connection. It reopens on next use."""
-        if self._sock is None or self.used > unused_since or not self._lock.acquire(blocking=False):
+        if self._sock is None or self.used > unused_since or not self.lock.acquire(blocking=False):
             return False
         try:
             if self._sock is None or self.used > unused_since:
                 return False
-            self._drop()
+            self.drop()
             return True
         finally:
-            self._lock.release()
+            self.lock.release()
 
     def close(self) -> None:
-        with self._lock:
+        with self.lock:
             if self._sock is not None:
-                self._drop()
+                self.drop()
 
-    def _socket(self) -> zmq.Socket[bytes]:
+    def socket(self) -> zmq.Socket[bytes]:
         self.used = time.monotonic()
         if self._sock is None:
             sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
@@ -143,21 +147,21 @@ class _Connection:
         return self._sock
 
     def send(self, message: msgspec.Struct) -> None:
-        with self._lock, contextlib.suppress(zmq.Again):
-            self._socket().send_multipart([b"\0" * 8, encode(message)], flags=zmq.NOBLOCK)
+        with self.lock, contextlib.suppress(zmq.Again):
+            self.socket().send_multipart([b"\0" * 8, encode(message)], flags=zmq.NOBLOCK)
 
     def call(self, message: msgspec.Struct) -> list[memoryview] | None:
         """Frames of the reply after the request id, as received (not copied); None when
         the peer did not answer."""
-        with self._lock:
-            sock = self._socket()
+        with self.lock:
+            sock = self.socket()
             rid = RID.pack(next(self._rids))
             sock.send_multipart([rid, encode(message)])
             while sock.poll(self._timeout_ms):
                 frames = sock.recv_multipart(copy=False)
                 if frames[0].bytes == rid:
                     return [frame.buffer for frame in frames[1:]]
-            self._drop()
+            self.drop()
             return None
 
     def fetch_into(
@@ -166,8 +170,8 @@ class _Connection:
         """A fetch whose payload frames are received straight into `outs` (slots reserved
         in this agent's pool): the per-key statuses and the header pages of the chunks
         sent; None when the peer did not answer."""
-        with self._lock:
-            sock = self._socket()
+        with self.lock:
+            sock = self.socket()
             rid = RID.pack(next(self._rids))
             sock.send_multipart([rid, encode(fetch)])
             while sock.poll(self._timeout_ms):
@@ -184,14 +188,55 @@ class _Connection:
                 while sock.rcvmore:
                     sock.recv()
                 return statuses, pages
-            self._drop()
+            self.drop()
             return None
 
-    def _drop(self) -> None:
+    def drop(self) -> None:
         """Close the socket, so whatever arrives late is dropped with it."""
         assert self._sock is not None
         self._sock.close(linger=0)
         self._sock = None
+
+
+def call_all(
+    calls: list[tuple[_Connection, msgspec.Struct]], timeout: float
+) -> list[list[memoryview] | None]:
+    """Requests to several peers at once: all sent, then the replies taken as they come, so
+    a lookup whose keys have many homes waits about one round trip, not one per home. Each
+    reply as `_Connection.call` gives it; None for a peer that did not answer in time."""
+    if len(calls) == 1:
+        connection, message = calls[0]
+        return [connection.call(message)]
+    ordered = sorted({id(c): c for c, _ in calls}.values(), key=id)  # one lock order for all
+    for connection in ordered:
+        connection.lock.acquire()
+    try:
+        poller = zmq.Poller()
+        sent: dict[zmq.Socket[bytes], tuple[int, bytes]] = {}
+        for i, (connection, message) in enumerate(calls):
+            sock = connection.socket()
+            rid = RID.pack(connection.next_rid())
+            sock.send_multipart([rid, encode(message)])
+            sent[sock] = (i, rid)
+            poller.register(sock, zmq.POLLIN)
+        results: list[list[memoryview] | None] = [None] * len(calls)
+        deadline = time.monotonic() + timeout
+        waiting = len(calls)
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            for sock, _ in poller.poll(int(left * 1000) + 1):
+                frames = sock.recv_multipart(copy=False)
+                i, rid = sent[sock]
+                if frames[0].bytes == rid:
+                    results[i] = [frame.buffer for frame in frames[1:]]
+                    poller.unregister(sock)
+                    waiting -= 1
+        for (connection, _), result in zip(calls, results, strict=True):
+            if result is None:
+                connection.drop()  # what arrives late is dropped with the socket
+        return results
+    finally:
+        for connection in ordered:
+            connection.lock.release()
 
 
 class PeerTier(SecondaryTier):
@@ -355,9 +400,13 @@ class PeerTier(SecondaryTier):
     def _by_home(self, keys: list[bytes]) -> dict[str, list[int]]:
         """Positions in `keys`, grouped by the live member each key's home is."""
         members = self.live_members()
+        if not keys:
+            return {}
+        if len(members) == 1:
+            return {members[0]: list(range(len(keys)))}
         by_home: dict[str, list[int]] = {}
-        for i, key in enumerate(keys):
-            by_home.setdefault(home_of(key, members), []).append(i)
+        for i, home in enumerate(homes(keys, members).tolist()):
+            by_home.setdefault(members[home], []).append(i)
         return by_home
 
     def _withdraw_evicted(self) -> None:
@@ -400,14 +449,21 @@ class PeerTier(SecondaryTier):
         holder that evicted a chunk has withdrawn it there)."""
         found = [(namespace, key) in self._direct for key in keys]
         asked = [i for i, known in enumerate(found) if not known]
+        answers: list[tuple[list[int], list[str]]] = []
+        remote: list[tuple[list[int], _Connection, WhoHas]] = []
         for home, positions in self._by_home([keys[i] for i in asked]).items():
             indexes = [asked[j] for j in positions]
             batch = [keys[i] for i in indexes]
             if home == self.me:
                 holders = self.server.directory.holders(namespace, batch, self._member_set)
+                answers.append((indexes, holders))
             else:
-                reply = self._peer(home).call(WhoHas(namespace, batch))
-                holders = msgspec.msgpack.decode(reply[0]) if reply else [""] * len(batch)
+                remote.append((indexes, self._peer(home), WhoHas(namespace, batch)))
+        replies = call_all([(c, m) for _, c, m in remote], self.config.timeout_seconds)
+        for (indexes, _, _), reply in zip(remote, replies, strict=True):
+            holders = decode_holders(reply[0]) if reply else [""] * len(indexes)
+            answers.append((indexes, holders))
+        for indexes, holders in answers:
             for i, holder in zip(indexes, holders, strict=True):
                 if holder and holder != self.me:
                     self._holder[(namespace, keys[i])] = holder

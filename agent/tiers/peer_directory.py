@@ -3,17 +3,41 @@ agent keeps the share of the cluster-wide index homed on it."""
 
 from __future__ import annotations
 
-import hashlib
 import random
 import threading
 import time
 from collections.abc import Callable, Collection
 
+import numpy as np
+import numpy.typing as npt
+from xxhash import xxh3_64_intdigest
+
+U64 = npt.NDArray[np.uint64]
+
+
+def _mix(z: U64) -> U64:
+    """splitmix64's finalizer, on uint64 arrays (wrapping multiplication)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    mixed: U64 = z ^ (z >> np.uint64(31))
+    return mixed
+
+
+def homes(keys: list[bytes], members: list[str]) -> npt.NDArray[np.intp]:
+    """Rendezvous (highest random weight) hashing: per key, the position in `members` of the
+    one with the highest weight(member, key). A weight mixes a 64-bit digest of the key with
+    one of the member, so a batch is one digest per key and a few array operations (a
+    thousand keys in well under a millisecond), not a hash per key and member."""
+    digests = np.fromiter((xxh3_64_intdigest(k) for k in keys), np.uint64, len(keys))
+    seeds = np.fromiter((xxh3_64_intdigest(m.encode()) for m in members), np.uint64)
+    with np.errstate(over="ignore"):
+        weights = _mix(digests[:, None] ^ seeds[None, :])
+    return np.asarray(weights.argmax(axis=1))
+
 
 def home_of(key: bytes, members: list[str]) -> str:
-    """Rendezvous (highest random weight) hashing: the member with the highest
-    hash(member, key) is the key's home."""
-    return max(members, key=lambda m: hashlib.blake2b(m.encode() + key, digest_size=8).digest())
+    """The member that is `key`'s home."""
+    return members[int(homes([key], members)[0])]
 
 
 class Directory:
@@ -49,11 +73,14 @@ class Directory:
         now = time.monotonic()
         found = []
         with self._lock:
+            get = self._holders.get
             for key in keys:
+                entry = get((namespace, key))
+                if not entry:  # most keys asked about, in a cold cache
+                    found.append("")
+                    continue
                 live = [
-                    h
-                    for h, t in self._holders.get((namespace, key), {}).items()
-                    if t > now and (members is None or h in members)
+                    h for h, t in entry.items() if t > now and (members is None or h in members)
                 ]
                 found.append(random.choice(live) if live else "")
         return found

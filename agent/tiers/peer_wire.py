@@ -93,7 +93,7 @@ PeerRequest = Announce | Withdraw | WhoHas | Fetch | Holds | NixlHello | Lend | 
 encode = msgspec.msgpack.Encoder().encode
 decode = msgspec.msgpack.Decoder(PeerRequest).decode
 decode_loan = msgspec.msgpack.Decoder(Loan).decode
-decode_statuses = msgspec.msgpack.Decoder(list[str]).decode
+decode_statuses = decode_holders = msgspec.msgpack.Decoder(list[str]).decode
 
 
 @dataclass(frozen=True)
