@@ -1,0 +1,141 @@
+"""Prefill/decode disaggregation end to end on CPU: a prefill engine on one node and a
+decode engine on another, each node a network namespace of its own with its agent (UCX on
+TCP between them). The decode request names the prefill side's agent as `kvtier_source`,
+as a P/D proxy does; the decode engine loads the prompts' KV through the peer tier (over
+NIXL where installed) and its output equals what the prefill engine computed from scratch.
+Runs under the vLLM environment (`make e2e`), as root (namespaces)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from e2e.test_vllm_engine import BLOCKS_PER_PROMPT, HITS, PROMPTS, REPO, kv_config
+from e2e.vllm_engine.tiny_model import build
+from kvtier.agent.client import AgentClient
+from kvtier.agent.config import AgentConfig
+from kvtier.agent.process import AgentProcess
+from tests import netns
+from tests.conftest import AGENT_PYTHON
+
+UCX = ["env", "UCX_TLS=tcp", "UCX_NET_DEVICES=eth0"]
+
+
+def nixl_installed() -> bool:
+    """Whether the agents' environment has NIXL (this one, vLLM's, need not)."""
+    probe = [AGENT_PYTHON or sys.executable, "-c", "import nixl_cu12._api"]
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
+def node(
+    make_config: Callable[..., AgentConfig], scratch: Path, role: str, address: str, **peer: Any
+) -> AgentConfig:
+    """An agent whose peer tier listens on its namespace's address, sharing a registry and
+    the tier's key pair with the other node."""
+    return make_config(
+        {
+            "name": role,
+            "runDir": str(scratch / f"run-{role}"),
+            "tiers": [
+                {
+                    "name": "peers",
+                    "peer": {
+                        "bind": f"tcp://{address}:5557",
+                        "curveKeyDir": str(scratch / "curve"),
+                        "membershipSeconds": 1.0,
+                        **peer,
+                    },
+                }
+            ],
+            "report": {
+                "target": "file",
+                "directory": str(scratch / "registry"),
+                "node": role,
+                "intervalSeconds": 0.5,
+                "minIntervalSeconds": 0.2,
+            },
+        },
+        poolDir=str(scratch / f"pool-{role}"),
+        capacity="48Mi",
+        chunkBytes="64Ki",
+    )
+
+
+def engine(namespace: str, run: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
+    """One engine, inside the node's namespace."""
+    path = [p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p]
+    env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(path)}
+    proc = subprocess.run(
+        netns.run_in(namespace, sys.executable, "-m", "e2e.pd_engine", "--run", json.dumps(run)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    return result
+
+
+@pytest.mark.skipif(netns.supported() is not None, reason=str(netns.supported()))
+@pytest.mark.timeout(1800)  # two engine start-ups of ~30 s each, more on a loaded machine
+def test_decode_engine_loads_the_prefill_engines_kv_through_the_peer_tier(
+    make_config: Callable[..., AgentConfig], scratch: Path
+) -> None:
+    keys = scratch / "curve"
+    keys.mkdir()
+    public, secret = zmq.curve_keypair()
+    (keys / "public.key").write_bytes(public)
+    (keys / "secret.key").write_bytes(secret)
+    data_path = "nixl" if nixl_installed() else "zmq"
+    model = str(build(REPO / ".scratch" / "tiny-llama"))
+    with netns.nodes(2, subnet="10.217.0") as machines, contextlib.ExitStack() as stack:
+        configs = []
+        for role, (namespace, address) in zip(("prefill", "decode"), machines, strict=True):
+            config = node(
+                make_config, scratch, role, address, dataPath=data_path, timeoutSeconds=2.0
+            )
+            prefix = netns.run_in(namespace, *UCX)
+            stack.enter_context(AgentProcess(config, python=AGENT_PYTHON, prefix=prefix))
+            configs.append(config)
+        prefill, decode = configs
+        (prefill_ns, prefill_ip), (decode_ns, _) = machines
+        source = f"tcp://{prefill_ip}:5557"
+        time.sleep(1.5)  # each agent has read the other's registration
+
+        computed = engine(
+            prefill_ns,
+            {"model": model, "kv_transfer_config": kv_config(prefill), "prompts": PROMPTS},
+        )
+        with AgentClient(prefill.endpoint) as producer:
+            assert producer.stats()["chunks"] >= 2 * BLOCKS_PER_PROMPT
+        loaded = engine(
+            decode_ns,
+            {
+                "model": model,
+                "kv_transfer_config": kv_config(decode),
+                "prompts": PROMPTS,
+                "kv_transfer_params": {"kvtier_source": source},
+            },
+        )
+        with AgentClient(decode.endpoint) as consumer:
+            stats: dict[str, Any] = consumer.stats()["tiers"][0]
+
+    assert loaded["outputs"] == computed["outputs"]  # equal to recompute
+    assert loaded["metrics"][HITS] >= 2 * BLOCKS_PER_PROMPT * 32  # and it did not recompute
+    moved = stats.get("nixl_reads", 0) + stats.get("zmq_reads", 0)
+    assert moved >= 2 * BLOCKS_PER_PROMPT  # through the peer tier
+    assert stats.get(f"{data_path}_reads", 0) >= BLOCKS_PER_PROMPT
+    assert stats.get("refused_sources", 0) == 0
