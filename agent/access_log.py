@@ -2,14 +2,15 @@
 its own traffic (`kvtier trace` exports it, `kvtier plan` reads it).
 
 What is kept is the least a replay needs and nothing that reveals a prompt: per request its
-arrival time, how many of its chunks the pool held, and its chunk keys as 64-bit ids. An id
-is the interpreter's keyed hash of the key (SipHash, which the index's lookup has already
-computed and cached on the key, so logging costs the lookup path almost nothing), mixed when
-a page is read with a salt per namespace keyed by a secret drawn when the agent starts:
-equal keys are equal ids within one agent's log, namespaces (which name models) stay apart
-and unnamed, and the export renumbers the ids in order of first appearance, as Mooncake's
-traces do, so what leaves the node is only the reuse structure. vLLM's keys are themselves
-chained hashes of token ids, never tokens.
+arrival time, how many of its chunks the pool held, and its chunk keys as 64-bit ids. The
+agent names a key by its index digest (so lookups it answers and lookups clients answer and
+report name a key alike); the id is the interpreter's keyed hash of that (SipHash with the
+process's random secret: tens of nanoseconds a key on the lookup path), mixed when a page is
+read with a salt per namespace keyed by a secret drawn when the agent starts. Equal keys are
+equal ids within one agent's log, namespaces (which name models) stay apart and unnamed, and
+the export renumbers the ids in order of first appearance, as Mooncake's traces do, so what
+leaves the node is only the reuse structure. vLLM's keys are themselves chained hashes of
+token ids, never tokens.
 
 Requests are sampled whole, never chunk by chunk: a replay counts a request's hits up to its
 first miss, so a request missing half its keys would be a different request. The choice is
