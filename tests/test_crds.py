@@ -10,32 +10,12 @@ import kubernetes_validate
 import pytest
 
 from tests.apiserver_rules import admit, load_crd, schema_of
+from tests.manifests import example_tier
 
 TIER = load_crd("kvcachetier.yaml")
 NODE = load_crd("kvcachenode.yaml")
 
-GOOD: dict[str, Any] = {
-    "apiVersion": "kvtier.io/v1alpha1",
-    "kind": "KVCacheTier",
-    "metadata": {"name": "llama", "namespace": "inference"},
-    "spec": {
-        "nodeSelector": {"nvidia.com/gpu.present": "true"},
-        "podSelector": {"matchLabels": {"app": "vllm"}},
-        "host": {"capacity": "64Gi", "policy": "arc"},
-        "tiers": [
-            {"name": "shared-fs", "filesystem": {"pvc": {"claimName": "kv"}, "capacity": "2Ti"}},
-            {
-                "name": "s3",
-                "objectStore": {
-                    "bucket": "kv-cache",
-                    "capacity": "10Ti",
-                    "credentialsSecret": {"name": "s3-creds"},
-                },
-            },
-            {"name": "peers", "peer": {}},
-        ],
-    },
-}
+GOOD = example_tier("64Gi", {"name": "peers", "peer": {}})
 
 
 def with_spec(**changes: Any) -> dict[str, Any]:

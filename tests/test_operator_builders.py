@@ -22,33 +22,12 @@ from kvtier.operator.settings import OperatorSettings
 from kvtier.operator.status import aggregate, merge_conditions, transitions
 from kvtier.operator.webhook import INJECTED, SKIPPED, mutate_pod, selects
 from tests.apiserver_rules import admit, load_crd
+from tests.manifests import example_tier
 
 SETTINGS = OperatorSettings(
     image="registry.local/kvtier:test", allowed_nfs_servers=["nfs.storage.svc.cluster.local"]
 )
-RESOURCE: dict[str, Any] = {
-    "apiVersion": "kvtier.io/v1alpha1",
-    "kind": "KVCacheTier",
-    "metadata": {"name": "llama", "namespace": "inference", "uid": "0f1e-uid", "generation": 1},
-    "spec": {
-        "nodeSelector": {"nvidia.com/gpu.present": "true"},
-        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        "podSelector": {"matchLabels": {"app": "vllm"}},
-        "host": {"capacity": "8Gi", "policy": "arc"},
-        "tiers": [
-            {"name": "shared-fs", "filesystem": {"pvc": {"claimName": "kv"}, "capacity": "2Ti"}},
-            {
-                "name": "s3",
-                "objectStore": {
-                    "bucket": "kv-cache",
-                    "capacity": "10Ti",
-                    "endpoint": "http://minio:9000",
-                    "credentialsSecret": {"name": "s3-creds"},
-                },
-            },
-        ],
-    },
-}
+RESOURCE = example_tier("8Gi")
 
 
 def tier() -> dict[str, Any]:
