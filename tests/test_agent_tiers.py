@@ -84,17 +84,31 @@ def test_two_agents_share_a_filesystem_tier(
         assert tier_stats(cb, "shared-fs")["promotions"] == 10
 
 
+def written_to_fs_and_s3(client: AgentClient, chunks: int) -> None:
+    """Store `chunks` chunks and wait until both secondary tiers hold them."""
+    store(client, range(chunks))
+    wait_for(lambda: all(t.get("writebacks", 0) == chunks for t in client.stats()["tiers"]))
+
+
+def fs_and_s3_agent(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: StartAgent,
+    scratch: Path,
+    s3_bucket: dict[str, Any],
+) -> tuple[AgentConfig, AgentProcess]:
+    config = make_config({"tiers": [fs_tier(scratch / "fs"), s3_tier(s3_bucket)]})
+    return config, agent_factory(config)
+
+
 def test_restart_with_empty_pool_serves_from_filesystem_and_s3(
     make_config: Callable[..., AgentConfig],
     agent_factory: StartAgent,
     scratch: Path,
     s3_bucket: dict[str, Any],
 ) -> None:
-    config = make_config({"tiers": [fs_tier(scratch / "fs"), s3_tier(s3_bucket)]})
-    first = agent_factory(config)
+    config, first = fs_and_s3_agent(make_config, agent_factory, scratch, s3_bucket)
     with AgentClient(config.endpoint) as client:
-        store(client, range(8))
-        wait_for(lambda: all(t.get("writebacks", 0) == 8 for t in client.stats()["tiers"]))
+        written_to_fs_and_s3(client, 8)
     first.kill()
     config.pool_path.unlink()  # the node rebooted: host memory is gone
     for i in range(4, 8):  # and the filesystem lost half the chunks
@@ -113,11 +127,9 @@ def test_one_request_served_from_three_tiers(
     scratch: Path,
     s3_bucket: dict[str, Any],
 ) -> None:
-    config = make_config({"tiers": [fs_tier(scratch / "fs"), s3_tier(s3_bucket)]})
-    agent_factory(config)
+    config, _ = fs_and_s3_agent(make_config, agent_factory, scratch, s3_bucket)
     with AgentClient(config.endpoint) as client:
-        store(client, range(6))
-        wait_for(lambda: all(t.get("writebacks", 0) == 6 for t in client.stats()["tiers"]))
+        written_to_fs_and_s3(client, 6)
         for i in (4, 5):  # these two stay on S3 only
             fs_file(scratch / "fs", i).unlink()
         flush = range(100, 100 + client.stats()["slots"])
