@@ -19,6 +19,7 @@ from kvtier.agent.client import AgentClient, AgentRefused
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.index import HostIndex
 from kvtier.agent.policy import ARCPolicy, PrefixPolicy, make_policy
+from kvtier.agent.policy.prefix import _class
 from kvtier.agent.process import AgentProcess
 from kvtier.replay import load_trace, replay
 from kvtier.tracegen import multi_turn
@@ -263,13 +264,12 @@ def test_a_refused_chunk_asked_again_comes_back_a_class_higher() -> None:
     policy.on_parents([((NS, b"a"), (NS, b"root"))])
     policy.on_insert((NS, b"a"))
     policy.now = 10 * policy.capacity  # past the warm-up: admission is on
-    policy._density[0][0] = 0.0  # a chunk used once is worth nothing; a's class-1 leaf too
-    policy._density[1] = [1.0] * len(policy._density[1])
+    policy._density[_class(1, 0)][0] = 0.0  # a new chunk of unknown pace is worth nothing
     assert policy.evict(always, (NS, b"new")) is None  # refused: worth no more than a
     assert policy.refused == 1
     policy.on_parents([((NS, b"child"), (NS, b"new"))])
     assert policy.evict(always, (NS, b"child")) is None  # its parent was refused
-    # Asked for again, "new" would be used twice: class 2, worth more than a, so a goes.
+    # Asked for again, "new" would be used twice: a class worth more than a, so a goes.
     assert policy.evict(always, (NS, b"new")) == (NS, b"a")
     policy.on_insert((NS, b"new"))
     assert policy._state[(NS, b"new")][1] == 2  # refused once, then stored

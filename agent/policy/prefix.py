@@ -8,15 +8,20 @@ keep the prefix tree of resident chunks and evict only leaves: a prefix is never
 while a longer chain that needs it stays behind.
 
 Which leaf: the one with the least hit density (Beckmann & Sanchez, "LHD", NSDI'18): the
-probability that a chunk is used again, given its class (how often it has been used: 1 to
-8 or more times) and how long ago it was last used (its age, on a log scale), divided by the
-time it is then expected to wait for that use. The densities are learnt from the traffic
-itself: each access of a chunk that was seen before (resident, or remembered after
-eviction) records the gap since its last access under the class it had, and each access
-counts a chunk entering its new class; the table is rebuilt every 4,096 accesses from
-counts that halve every 65,536 (until the first rebuild, more uses and less age are worth
-more). Within a class the oldest leaf is the candidate, so an eviction compares eight
-candidates, O(log n) with one heap per class.
+probability that a chunk is used again, given its class and how long ago it was last used
+(its age, on a log scale), divided by the time it is then expected to wait for that use. A
+chunk's class is how often it has been used (1, 2, 3-4, 5 or more times) and its pace: the
+gap between its last two uses (unknown, under 4,096 accesses, under 16,384, longer), or for
+a new chunk its parent's, which is its conversation's (a chat whose turns came quickly
+comes back sooner). The densities are learnt from the traffic itself: each access of a
+chunk that was seen before (resident, or remembered after eviction) records the gap since
+its last access under the class it had, and each access counts a chunk entering its new
+class; the table is rebuilt every 4,096 accesses from counts that halve every 65,536, a
+class seen little drawn towards the density of all chunks (until the first rebuild, more
+uses and less age are worth more). Eviction compares the oldest leaf of each class by the
+density of its use count alone (ordering by pace as well did no better, and fell just below
+LRU on a multi-turn chat trace with a large pool); 16 candidates, O(log n) with one heap
+per class.
 
 Why: on the Mooncake conversation trace (512-token blocks) a chunk used once is used again
 in 24% of cases, a median 500 requests later; one used six times or more in 91%, most often
@@ -28,8 +33,8 @@ chunk's position or the gap since the conversation's previous turn), which is wh
 Belady's bound gets most of its lead (see docs/replay.md).
 
 Admission: when the pool is full, a chunk is not stored if its density as a new member of
-its class is below that of the chunk it would evict; nor is any chunk whose parent was just
-refused (it could never be reached). A chunk refused once and asked for again comes back a
+its class is below that of the chunk it would evict; nor is any chunk whose parent was
+just refused (it could never be reached). A chunk refused once and asked for again comes back a
 class higher. Admission starts once the policy has seen four pools' worth of accesses, so
 the densities it compares are learnt ones.
 
@@ -54,19 +59,26 @@ from kvtier.agent.policy.arc import ARCPolicy
 from kvtier.agent.policy.base import ChunkId, EvictionPolicy
 
 HISTORY_MIN = 65536
-CLASSES = 8  # chunks used 1, 2, ..., 8 or more times
+USES = (0, 0, 1, 2, 2, 3, 3, 3, 3)  # use-count bucket by min(uses, 8): 1, 2, 3-4, 5+
+PACES = 4  # gap between the last two uses: unknown, under 2^12 accesses, 2^14, longer
+CLASSES = 4 * PACES
 AGES = 48  # age buckets: bit length of the age in accesses
 REFRESH = 4096  # accesses between rebuilds of the density table
 HALVE = 65536  # accesses between halvings of the counts
 WARM_POOLS = 4  # pools' worth of accesses before admission control starts
 REFUSED_MAX = 4096
+SMOOTHING = 256.0
 
 _Entry = tuple[int, int, ChunkId]  # (last access, sequence, chunk)
-_State = tuple[int, int, int]  # (last access, uses, class)
+_State = tuple[int, int, int, int]  # (last access, uses, class, pace)
 
 
-def _class(uses: int) -> int:
-    return min(uses, CLASSES) - 1
+def _pace(gap: int) -> int:
+    return 1 if gap < 1 << 12 else 2 if gap < 1 << 14 else 3
+
+
+def _class(uses: int, pace: int) -> int:
+    return USES[min(uses, 8)] * PACES + pace
 
 
 class PrefixPolicy(EvictionPolicy):
@@ -90,7 +102,8 @@ class PrefixPolicy(EvictionPolicy):
         self._entered = [0.0] * CLASSES
         self._gaps = [[0.0] * AGES for _ in range(CLASSES)]
         # Until the first rebuild, a prior: more uses and less age are worth more.
-        self._density = [[(c + 1) / (1 << b) for b in range(AGES)] for c in range(CLASSES)]
+        self._density = [[(c // PACES + 1) / (1 << b) for b in range(AGES)] for c in range(CLASSES)]
+        self._coarse = [[(u + 1) / (1 << b) for b in range(AGES)] for u in range(CLASSES // PACES)]
         self._until_refresh = REFRESH
         self._until_halve = HALVE
         self.refused = 0
@@ -118,10 +131,14 @@ class PrefixPolicy(EvictionPolicy):
             return
         self._refused.pop(chunk, None)
         parent = self._announced.pop(chunk, None)
-        if parent is not None and parent in self._state:
-            self._parent[chunk] = parent
-            self._children[parent] = self._children.get(parent, 0) + 1
-        self._access(chunk, self._history.pop(chunk, None))
+        pace = 0
+        if parent is not None:
+            held = self._state.get(parent)
+            if held is not None:
+                self._parent[chunk] = parent
+                self._children[parent] = self._children.get(parent, 0) + 1
+                pace = held[3]  # a new chunk goes at its conversation's pace
+        self._access(chunk, self._history.pop(chunk, None), pace)
 
     def on_hit(self, chunk: ChunkId) -> None:
         if self.arc is not None:
@@ -129,7 +146,7 @@ class PrefixPolicy(EvictionPolicy):
             return
         held = self._state.get(chunk)
         if held is not None:
-            self._access(chunk, held)
+            self._access(chunk, held, 0)
 
     def on_hits(self, chunks: Sequence[ChunkId]) -> None:
         if self.arc is not None:
@@ -139,7 +156,7 @@ class PrefixPolicy(EvictionPolicy):
         for chunk in chunks:
             held = state.get(chunk)
             if held is not None:
-                access(chunk, held)
+                access(chunk, held, 0)
 
     def on_remove(self, chunk: ChunkId) -> None:
         if self.arc is not None:
@@ -164,11 +181,11 @@ class PrefixPolicy(EvictionPolicy):
                 return None
             victim = min(unpinned, key=self._density_of)
         else:
-            victim, density = found
+            victim = found[0]
             if admitting:
-                before = self._history.get(incoming)
-                cls = _class(before[1] + 1 if before is not None else 1)
-                if self._density[cls][0] < density:  # a new member of its class, age 0
+                # the incoming chunk as a new member of its class (age 0) against its victim
+                worth = self._density[self._incoming_class(incoming)][0]
+                if worth < self._density_of(victim):
                     self._refuse(incoming)
                     return None
         self._forget(victim, remember=True)  # its heap entry is superseded now
@@ -189,19 +206,29 @@ class PrefixPolicy(EvictionPolicy):
 
     # --- internals -----------------------------------------------------------------------
 
-    def _access(self, chunk: ChunkId, before: _State | None) -> None:
-        """A use of `chunk`: `before` is what was known of it (None: never seen)."""
+    def _incoming_class(self, incoming: ChunkId | None) -> int:
+        before = self._history.get(incoming)
+        if before is not None:
+            return _class(before[1] + 1, _pace(self.now + 1 - before[0]) if before[0] >= 0 else 0)
+        parent = self._state.get(self._announced.get(incoming))
+        return _class(1, parent[3] if parent is not None else 0)
+
+    def _access(self, chunk: ChunkId, before: _State | None, pace: int) -> None:
+        """A use of `chunk`: `before` is what was known of it (None: never seen; `pace` is
+        then its parent's)."""
         now = self.now = self.now + 1
         if before is None:
             uses = 1
         else:
-            last, uses, cls = before
+            last, uses, cls, pace = before
             if last >= 0:
-                self._gaps[cls][min((now - last).bit_length(), AGES - 1)] += 1
+                gap = now - last
+                self._gaps[cls][min(gap.bit_length(), AGES - 1)] += 1
+                pace = _pace(gap)
             uses += 1
-        cls = min(uses, CLASSES) - 1
+        cls = _class(uses, pace)
         self._entered[cls] += 1
-        self._state[chunk] = (now, uses, cls)
+        self._state[chunk] = (now, uses, cls, pace)
         if not self._children.get(chunk):
             self._push(cls, chunk, now)
         self._until_refresh -= 1
@@ -218,7 +245,7 @@ class PrefixPolicy(EvictionPolicy):
     def _compact(self) -> None:
         """Drop superseded heap entries (chunks used again, gone, or no longer leaves)."""
         heaps: list[list[_Entry]] = [[] for _ in range(CLASSES)]
-        for chunk, (last, _, cls) in self._state.items():
+        for chunk, (last, _, cls, _) in self._state.items():
             if not self._children.get(chunk):
                 self._seq += 1
                 heaps[cls].append((last, self._seq, chunk))
@@ -226,25 +253,45 @@ class PrefixPolicy(EvictionPolicy):
             heap.sort()
         self._heaps = heaps
 
+    @staticmethod
+    def _densities(gaps: list[float], entered: float, out: list[float]) -> None:
+        """For a chunk at age bucket b: the chance it is used again (reuses at gaps from b
+        on, over chunks that reached b unused) over the mean wait for that use."""
+        before = sum(gaps)  # reuses at gaps below bucket b, as b goes down
+        tail = weighted = 0.0  # reuses at gaps from b on; their summed use times
+        for b in range(AGES - 1, -1, -1):
+            low = (1 << (b - 1)) if b else 0
+            before -= gaps[b]
+            tail += gaps[b]
+            weighted += gaps[b] * (1.5 * low if b else 0.5)
+            wait = weighted - tail * low + tail  # from the bucket's start, at least 1
+            survivors = max(entered - before, tail, 1.0)
+            out[b] = tail * tail / (survivors * wait) if tail else 0.0
+
     def _refresh(self) -> None:
-        """Rebuild the density table: for a chunk of class c at age bucket b, the chance it
-        is used again (reuses at gaps from b on, over chunks that reached b unused) over the
-        mean wait for that use."""
+        """Rebuild the density tables: per class (each drawn towards the densities of all
+        chunks by SMOOTHING chunks' worth of them, so a class seen little is ordered by
+        age), and per use count, which eviction orders by."""
         self._until_refresh = REFRESH
         self._until_halve -= REFRESH
         halve = self._until_halve <= 0
+        overall = [0.0] * AGES
+        self._densities(
+            [sum(g[b] for g in self._gaps) for b in range(AGES)], sum(self._entered), overall
+        )
+        for use in range(CLASSES // PACES):
+            group = range(use * PACES, (use + 1) * PACES)
+            self._densities(
+                [sum(self._gaps[c][b] for c in group) for b in range(AGES)],
+                sum(self._entered[c] for c in group),
+                self._coarse[use],
+            )
         for cls in range(CLASSES):
-            gaps, density = self._gaps[cls], self._density[cls]
-            before = sum(gaps)  # reuses at gaps below bucket b, as b goes down
-            tail = weighted = 0.0  # reuses at gaps from b on; their summed use times
-            for b in range(AGES - 1, -1, -1):
-                low = (1 << (b - 1)) if b else 0
-                before -= gaps[b]
-                tail += gaps[b]
-                weighted += gaps[b] * (1.5 * low if b else 0.5)
-                wait = weighted - tail * low + tail  # from the bucket's start, at least 1
-                survivors = max(self._entered[cls] - before, tail, 1.0)
-                density[b] = tail * tail / (survivors * wait) if tail else 0.0
+            gaps, density, entered = self._gaps[cls], self._density[cls], self._entered[cls]
+            self._densities(gaps, entered, density)
+            weight = entered / (entered + SMOOTHING)
+            for b in range(AGES):
+                density[b] = weight * density[b] + (1 - weight) * overall[b]
             if halve:
                 self._entered[cls] /= 2
                 for b in range(AGES):
@@ -253,7 +300,7 @@ class PrefixPolicy(EvictionPolicy):
             self._until_halve = HALVE
 
     def _density_of(self, chunk: ChunkId) -> float:
-        last, _, cls = self._state[chunk]
+        last, _, cls, _ = self._state[chunk]
         return self._density[cls][min((self.now - last).bit_length(), AGES - 1)]
 
     def _lowest_leaf(self, evictable: Callable[[ChunkId], bool]) -> tuple[ChunkId, float] | None:
@@ -272,7 +319,7 @@ class PrefixPolicy(EvictionPolicy):
                 if not evictable(chunk):
                     pinned.append((heap, heapq.heappop(heap)))
                     continue
-                density = self._density[cls][min((now - last).bit_length(), AGES - 1)]
+                density = self._coarse[cls // PACES][min((now - last).bit_length(), AGES - 1)]
                 if best is None or (density, last) < best_key:
                     best, best_key = (chunk, density), (density, last)
                 break
@@ -287,17 +334,18 @@ class PrefixPolicy(EvictionPolicy):
         self._refused[incoming] = None
         if len(self._refused) > REFUSED_MAX:
             self._refused.popitem(last=False)
+        cls = self._incoming_class(incoming)
         before = self._history.pop(incoming, None)
         now = self.now = self.now + 1
         if before is None:
-            uses = 1
+            uses, pace = 1, cls % PACES
         else:
-            last, uses, cls = before
-            self._gaps[cls][min((now - last).bit_length(), AGES - 1)] += 1
-            uses += 1
-        cls = _class(uses)
+            last, uses, was, _ = before
+            gap = now - last
+            self._gaps[was][min(gap.bit_length(), AGES - 1)] += 1
+            uses, pace = uses + 1, _pace(gap)
         self._entered[cls] += 1
-        self._history[incoming] = (now, uses, cls)
+        self._history[incoming] = (now, uses, cls, pace)
         if len(self._history) > self._history_size:
             self._history.popitem(last=False)
 
@@ -311,7 +359,7 @@ class PrefixPolicy(EvictionPolicy):
                 self._children[parent] = left
             else:
                 del self._children[parent]
-                last, _, cls = self._state[parent]
+                last, _, cls, _ = self._state[parent]
                 self._push(cls, parent, last)  # a leaf now
         if remember:
             self._history[chunk] = held
@@ -326,4 +374,4 @@ class PrefixPolicy(EvictionPolicy):
         assert arc is not None
         for uses, chunks in ((1, arc.t1), (2, arc.t2)):
             for chunk in chunks:
-                self._access(chunk, None if uses == 1 else (-1, 1, 0))
+                self._access(chunk, None if uses == 1 else (-1, 1, 0, 0), 0)
