@@ -46,7 +46,7 @@ import zmq
 
 from kvtier.agent import protocol as p
 from kvtier.agent.liveness import ClientLock
-from kvtier.agent.pool import Bytes, PoolMap
+from kvtier.agent.pool import Bytes, PoolMap, staging_path
 from kvtier.agent.shm_index import TableReader, digest, digests, index_path
 
 _RID = struct.Struct("<Q")
@@ -92,6 +92,7 @@ class Grant:
     slots: list[int]
     where: list[int]
     generations: list[int] = field(default_factory=list)
+    staging: list[int] = field(default_factory=list)  # a store's: where to write key i
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ class AgentClient:
         self._rids = itertools.count(1)
         self._io_lock = threading.Lock()
         self._lock: ClientLock | None = None
-        self.pool: PoolMap | None = None
+        self.pool: PoolMap | None = None  # read-only: only the agent writes the pool
+        self.staging: PoolMap | None = None  # where stores are written, for the agent to seal
         self.index: TableReader | None = None
         self.hello: p.HelloReply | None = None
         self._reports: dict[str, list[npt.NDArray[np.uint64]]] = {}
@@ -151,7 +153,14 @@ class AgentClient:
                 if pool is not None:
                     self.pool = None
                     pool.close()
-                pool = self.pool = PoolMap.open(path)
+                pool = self.pool = PoolMap.open(path, writable=False)
+            staged = staging_path(path)
+            staging = self.staging
+            if staging is None or staging.inode != staged.stat().st_ino:
+                if staging is not None:
+                    self.staging = None
+                    staging.close()
+                self.staging = PoolMap.open(staged)
         except (AgentUnavailable, _NotRegistered):
             raise
         except (OSError, ValueError) as exc:
@@ -194,6 +203,9 @@ class AgentClient:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -317,7 +329,7 @@ class AgentClient:
             namespace, list(keys), nbytes, None if parents is None else list(parents)
         )
         reply = self._call(request, p.LeaseReply)
-        return Grant(reply.lease, reply.slots, reply.where, reply.generations)
+        return Grant(reply.lease, reply.slots, reply.where, reply.generations, reply.staging)
 
     def commit(self, lease: int) -> None:
         """A round trip: once it returns, every client of the agent sees the chunks (a
@@ -347,10 +359,25 @@ class AgentClient:
     # --- whole operations ----------------------------------------------------------------
 
     def slot(self, slot: int, nbytes: int | None = None) -> Bytes:
-        """A writable uint8 view of a slot's payload in the shared pool. Raises
-        AgentUnavailable when the pool file no longer backs the mapping (a copy would end
-        the process with SIGBUS) and ValueError for a slot or size out of the pool."""
-        pool = self.pool
+        """A read-only uint8 view of a slot's payload in the shared pool, to load from.
+        Raises AgentUnavailable when the pool file no longer backs the mapping (a copy would
+        end the process with SIGBUS) and ValueError for a slot or size out of the pool."""
+        return self._view(self.pool, slot, nbytes)
+
+    def staging_slot(self, slot: int, nbytes: int | None = None) -> Bytes:
+        """A writable uint8 view of a staging slot (`Grant.staging`), to store into; raises
+        as `slot` does."""
+        return self._view(self.staging, slot, nbytes)
+
+    @property
+    def staging_capacity(self) -> int:
+        """How many chunks one store round can stage (the agent's staging slots)."""
+        if self.staging is None:
+            self.connect()
+        assert self.staging is not None
+        return self.staging.geometry.slot_count
+
+    def _view(self, pool: PoolMap | None, slot: int, nbytes: int | None) -> Bytes:
         if pool is None:
             raise AgentUnavailable("not connected: connect() first")
         geometry = pool.geometry
@@ -375,12 +402,14 @@ class AgentClient:
         rows: Sequence[Any],
         parents: Sequence[bytes | None] | None = None,
     ) -> StoreResult:
-        """Store rows (buffers of equal size) under keys: allocate, copy, commit. `parents`
-        as for `allocate`.
+        """Store rows (buffers of equal size) under keys: allocate, copy into the staging
+        area, commit (the agent copies them into the pool and seals them), as many rounds as
+        the staging area needs. `parents` as for `allocate`.
 
-        Keys the agent already holds are skipped without copying. Each slot's generation is
-        checked before it is written: a lease that expired meanwhile raises LeaseLost
-        instead of writing into a slot that may hold another chunk by then.
+        Keys the agent already holds are skipped without copying; keys it has no staging slot
+        for right now are stored in a later round, or skipped once the timeout passed. Each
+        slot's generation is checked before its copy: a lease that expired meanwhile raises
+        LeaseLost.
         """
         views = [_as_bytes(r) for r in rows]
         if len(views) != len(keys):
@@ -390,21 +419,43 @@ class AgentClient:
         nbytes = views[0].nbytes
         if any(v.nbytes != nbytes for v in views):
             raise ValueError("store needs rows of equal size")
-        grant = self.allocate(namespace, keys, nbytes, parents)
-        if grant.lease == 0:
-            return StoreResult(0, len(keys))
+        stored = skipped = 0
+        pending = list(range(len(keys)))
+        deadline = time.monotonic() + self.timeout
+        while pending:
+            batch, pending = pending[: self.staging_capacity], pending[self.staging_capacity :]
+            grant = self.allocate(
+                namespace,
+                [keys[i] for i in batch],
+                nbytes,
+                None if parents is None else [parents[i] for i in batch],
+            )
+            if grant.lease:
+                self._stage(grant, [views[i] for i in batch], nbytes)
+                self.commit(grant.lease)
+            granted = sum(1 for s in grant.slots if s >= 0)
+            later = [i for i, s in zip(batch, grant.slots, strict=True) if s == p.STAGING_FULL]
+            stored += granted
+            skipped += len(batch) - granted - len(later)
+            if later and not granted:  # other clients' stores hold every staging slot
+                if time.monotonic() > deadline:
+                    skipped += len(later) + len(pending)
+                    break
+                time.sleep(0.001)
+            pending = later + pending
+        return StoreResult(stored, skipped)
+
+    def _stage(self, grant: Grant, views: list[Bytes], nbytes: int) -> None:
+        """Copy rows into their granted staging slots; on any failure the lease is aborted."""
         try:
             for i, (view, slot) in enumerate(zip(views, grant.slots, strict=True)):
                 if slot >= 0:
                     if not self.still_granted(grant, i):
                         raise LeaseLost(f"lease {grant.lease} expired before its copy")
-                    np.copyto(self.slot(slot, nbytes), view)
+                    np.copyto(self.staging_slot(grant.staging[i], nbytes), view)
         except BaseException:
             self.abort(grant.lease)
             raise
-        self.commit(grant.lease)
-        stored = sum(1 for s in grant.slots if s >= 0)
-        return StoreResult(stored, len(keys) - stored)
 
     def load_into(
         self, namespace: str, keys: Sequence[bytes], outs: Sequence[Any], source: str = ""

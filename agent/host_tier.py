@@ -1,13 +1,18 @@
 """The host-memory tier: the shared pool, its index, and the sealing of committed chunks.
 
-Checksums are computed off the request path by a sealer thread: a commit returns as soon as
-the chunk is indexed, and the chunk header turns SEALED once its checksum is written. Only
-sealed slots survive an agent restart, so a slot whose write or checksum never finished is
-dropped instead of served.
+Bytes altered in the pool after sealing are never served because no client can alter them:
+clients map the pool read-only (the file is the agent's to write, its group's to read) and
+write what they store into a staging area beside it. At commit the agent copies each staged
+chunk into its pool slot and computes its checksum while the bytes are hot (block by block,
+each block hashed right after it is copied), then seals and publishes it. Loads therefore
+copy straight out of the pool with no check on the way; the checksums serve re-indexing
+after a restart and every copy that leaves the node (secondary tiers, peers).
 
 Each slot handed to a chunk gets the chunk's header (WRITING, naming namespace and key) and
-a new generation stamp before any client may write it; a commit publishes only slots that
-still carry both, and a reader checks the stamp after copying (see pool.py).
+a new generation stamp when it is allocated; a commit publishes only slots that still carry
+both, and a reader checks the stamp after copying (see pool.py). A staging slot goes back
+when its store is committed or aborted, and rests first when its lease expired (its writer
+may still be copying into it).
 
 Promotions from secondary tiers hold at most a quarter of the pool at once: a tier that
 hangs mid-read keeps its reserved slots until the read ends, and without a cap a few stuck
@@ -19,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -28,13 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from kvtier.agent.chunk import ChunkHeader, SlotState, checksum
 from kvtier.agent.config import HostTierConfig
-from kvtier.agent.index import BUSY, EXISTS, FULL, MISS, Entry, HostIndex
+from kvtier.agent.index import BUSY, EXISTS, FULL, STAGING, Entry, HostIndex
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
-from kvtier.agent.pool import create_or_reuse
+from kvtier.agent.pool import create_or_reuse, create_staging, staging_path
 from kvtier.agent.pool_layout import PoolGeometry, slot_payload_bytes
 from kvtier.agent.shm_index import TableWriter, index_path
 
@@ -44,7 +49,15 @@ TIER = "host"
 # Holders of the agent's own leases; ':' is never part of a client id (see protocol.py).
 PROMOTER = "agent:promoter"  # slots being filled from a secondary tier
 LENDER = "agent:peer"  # chunks being sent to other agents
-_SKIP_REASONS = {EXISTS: "exists", BUSY: "busy", FULL: "full"}
+_SKIP_REASONS = {EXISTS: "exists", BUSY: "busy", FULL: "full", STAGING: "staging"}
+STAGING_BYTES = 64 << 20  # the staging area: stores in flight at once, node-wide
+COPY_BLOCK = 256 << 10  # copied then hashed while in cache
+
+
+def staging_slots(slot_count: int, payload_bytes: int) -> int:
+    """Slots of the staging area: STAGING_BYTES, at least two and at most an eighth of the
+    pool (a small pool's stores are small)."""
+    return max(2, min(max(1, slot_count // 8), STAGING_BYTES // payload_bytes))
 
 
 class HostTier:
@@ -61,6 +74,13 @@ class HostTier:
         self.lease_seconds = lease_seconds
         geometry = PoolGeometry(slot_payload_bytes(config.chunk_bytes), config.slot_count)
         self.pool, reused = create_or_reuse(pool_path, geometry, populate=config.prefault)
+        staging = PoolGeometry(
+            geometry.payload_bytes, staging_slots(geometry.slot_count, geometry.payload_bytes)
+        )
+        self.staging = create_staging(staging_path(pool_path), staging, populate=config.prefault)
+        self._staging_free = list(range(staging.slot_count - 1, -1, -1))
+        self._staging_resting: list[tuple[float, int]] = []  # (until, staging slot)
+        self._staged: dict[int, dict[int, int]] = {}  # store lease -> pool slot -> staging slot
         # Clients read it to answer lookups themselves; a fresh one per agent process (the
         # one it replaces is marked retired, so its readers reconnect).
         self.table = TableWriter(index_path(pool_path), geometry.slot_count, boot)
@@ -82,11 +102,9 @@ class HostTier:
         self._looked_up = self._found = 0
         if reused:
             self._reindex()
-        self._seal_queue: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
-        # Checksums of chunks about to be lent, spread over the cores (xxh3 releases the GIL).
-        self._verifier = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvtier-verify")
-        self._sealer = threading.Thread(target=self._seal_loop, name="kvtier-sealer", daemon=True)
-        self._sealer.start()
+        # Copies of committed chunks into the pool, and checks of chunks a peer received
+        # damaged, spread over the cores (numpy's copies and xxh3 release the GIL).
+        self._copiers = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvtier-copy")
         self._hits = metrics.hits.labels(TIER)
         self._evictions = metrics.evictions.labels(TIER)
         self._store_bytes = metrics.store_bytes.labels(TIER)
@@ -112,6 +130,11 @@ class HostTier:
         the hits' recency refreshed, as if answered here."""
         with self.lock:
             hits = self.index.lookup_digests(namespace, digests)
+            # now, not after the reply: a report carries several requests, and each must
+            # reach the policy and the write-back admission as a lookup of its own
+            touched = self.index.take_touched()
+            if touched and self.on_hits is not None:
+                self.on_hits(touched)
         self._looked_up += len(digests)
         self._found += sum(hits)
         return hits
@@ -131,32 +154,68 @@ class HostTier:
 
     def allocate(
         self, client: str, namespace: str, keys: list[bytes], nbytes: int
-    ) -> tuple[int, list[int], list[int]]:
+    ) -> tuple[int, list[int], list[int], list[int]]:
+        """Reserve a pool slot and a staging slot per new key: (lease, pool slots or codes,
+        generations, staging slots or -1). Keys past the staging slots free right now get
+        STAGING: the client stores them again once its earlier stores are committed."""
         if not 0 < nbytes <= self.geometry.payload_bytes:
             raise ValueError(
                 f"nbytes {nbytes} does not fit a slot of {self.geometry.payload_bytes} bytes; "
                 "the engine's row size must match the agent's host.chunkBytes"
             )
+        n = len(keys)
+        slots, generations, staging = [STAGING] * n, [0] * n, [-1] * n
         with self.lock:
+            budget = len(self._staging_free)
+            chosen = []
+            for i, key in enumerate(keys):
+                if self.index.get(namespace, key) is None:
+                    if not budget:
+                        continue
+                    budget -= 1
+                chosen.append(i)
             evictions = self.index.counters.evictions
-            lease, slots, generations = self.index.allocate(
-                client, namespace, keys, nbytes, time.monotonic() + self.lease_seconds
+            lease, got, gens = self.index.allocate(
+                client,
+                namespace,
+                [keys[i] for i in chosen],
+                nbytes,
+                time.monotonic() + self.lease_seconds,
             )
             evicted = self.index.counters.evictions - evictions
-            for key, slot, generation in zip(keys, slots, generations, strict=True):
+            staged: dict[int, int] = {}
+            for i, slot, generation in zip(chosen, got, gens, strict=True):
+                slots[i], generations[i] = slot, generation
                 if slot >= 0:
-                    self._claim(slot, namespace, key, generation)
+                    self._claim(slot, namespace, keys[i], generation)
+                    staging[i] = staged[slot] = self._staging_free.pop()
+            if lease:
+                self._staged[lease] = staged
         for slot in slots:
             if slot < 0:
                 self._skipped[slot].inc()
         if evicted:
             self._evictions.inc(evicted)
-        return lease, slots, generations
+        return lease, slots, generations, staging
 
     def commit(self, lease: int, client: str) -> None:
-        """Publish a store lease's chunks and queue them for sealing. A slot whose header or
-        generation is not the one its allocation wrote was written over by someone else: it
-        is dropped and counted, never published."""
+        """Copy a store lease's staged chunks into their pool slots, checksumming each block
+        while it is hot, then seal and publish them: once this returns every client finds
+        them, and no client can alter them. A slot whose header or generation is not the
+        one its allocation wrote is dropped and counted, never published."""
+        with self.lock:
+            entries = self.index.begin_commit(lease, client)
+            staged = self._staged.get(lease, {})
+        try:
+            work = [(e.slot, staged[e.slot], e.length) for e in entries]
+            digests: dict[int, int] = {}
+            for slot, digest in self._copiers.map(lambda w: (w[0], self._copy_in(*w)), work):
+                digests[slot] = digest
+        except BaseException:
+            with self.lock:
+                self.index.abort(lease, client)
+                self._free_staging(lease)
+            raise
 
         def claimed(entry: Entry) -> bool:
             ns, key = entry.id
@@ -170,54 +229,49 @@ class HostTier:
             return False
 
         with self.lock:
+            self._free_staging(lease)
             kept = self.index.commit(lease, client, claimed)
             for entry in kept:
-                ns, key = entry.id
-                self._write_header(
-                    entry.slot, ChunkHeader(ns, key, entry.length, 0, SlotState.WRITING)
-                )
-                self.index.pin(entry)
-        for entry in kept:
-            self._seal_queue.put(entry)
+                self._seal(entry, digests[entry.slot])
         self._store_bytes.inc(sum(e.length for e in kept))
+
+    def _copy_in(self, slot: int, staged: int, length: int) -> int:
+        """Copy a staged chunk into its pool slot and return its checksum, each block
+        hashed right after it is copied, from cache (xxh3 streams: the same digest as one
+        pass over the whole chunk)."""
+        src = self.staging.payload(staged, length)
+        dst = self.pool.payload(slot, length)
+        digest = xxhash.xxh3_64()
+        for start in range(0, length, COPY_BLOCK):
+            block = dst[start : start + COPY_BLOCK]
+            np.copyto(block, src[start : start + COPY_BLOCK])
+            digest.update(block.data)
+        return digest.intdigest()
+
+    def _free_staging(self, lease: int, rest_until: float | None = None) -> None:
+        """Give back a store lease's staging slots (lock held): at once when its writer is
+        done with them, else after `rest_until` (the lease expired mid-copy)."""
+        for staged in self._staged.pop(lease, {}).values():
+            if rest_until is None:
+                self._staging_free.append(staged)
+            else:
+                self._staging_resting.append((rest_until, staged))
 
     def abort(self, lease: int, client: str) -> None:
         with self.lock:
             self.index.abort(lease, client)
+            self._free_staging(lease)
 
     def begin_load(
         self, client: str, namespace: str, keys: list[bytes]
     ) -> tuple[int, list[int], list[int]]:
-        """Lend the ready chunks among `keys` for reading. Every client of the tier maps the
-        pool writable, so each sealed chunk is checked against its checksum before it is
-        lent: one altered after sealing is a miss, counted and dropped (its slot is free for
-        the next store), never served. The check runs outside the lock, on pinned slots."""
+        """Lend the ready chunks among `keys` for reading. No check on the way: clients map
+        the pool read-only, so a sealed chunk's bytes are the ones its checksum was made of
+        (see the module's docstring)."""
         deadline = time.monotonic() + self.lease_seconds
         with self.lock:
             lease, slots, generations = self.index.begin_load(client, namespace, keys, deadline)
-            lent = [
-                self.index.get(namespace, k) if s >= 0 else None
-                for k, s in zip(keys, slots, strict=True)
-            ]
             nbytes = self.index.lease_bytes(lease)
-        sealed = [(i, e) for i, e in enumerate(lent) if e is not None and e.checksum is not None]
-        altered = {i for part in self._verifier.map(self._altered, _split(sealed)) for i in part}
-        if altered:
-            with self.lock:
-                self.index.end_load(lease, client)
-                for i in sorted(altered):
-                    entry = lent[i]
-                    assert entry is not None
-                    self.index.remove(entry)  # pinned by another reader: dropped at its next load
-                    self._count_corrupt(f"slot {entry.slot} of {namespace} altered after sealing")
-                kept = [k for i, k in enumerate(keys) if i not in altered]
-                lease, kept_slots, kept_generations = self.index.begin_load(
-                    client, namespace, kept, deadline
-                )
-                nbytes = self.index.lease_bytes(lease)
-            granted = iter(zip(kept_slots, kept_generations, strict=True))
-            pairs = [(MISS, 0) if i in altered else next(granted) for i in range(len(keys))]
-            slots, generations = [s for s, _ in pairs], [g for _, g in pairs]
         self._load_bytes.inc(nbytes)
         return lease, slots, generations
 
@@ -234,6 +288,11 @@ class HostTier:
         with self.lock:
             expired = self.index.expire(now)
             reclaimed = [lease for c in dead_clients for lease in self.index.release_client(c)]
+            for gone in (*expired, *reclaimed):
+                self._free_staging(gone.id, now + self.lease_seconds)
+            if self._staging_resting:
+                self._staging_free += [s for until, s in self._staging_resting if until <= now]
+                self._staging_resting = [(u, s) for u, s in self._staging_resting if u > now]
         if expired:
             self.metrics.leases_reclaimed.labels("expired").inc(len(expired))
             log.warning("released %d expired leases", len(expired))
@@ -252,6 +311,8 @@ class HostTier:
                 "slots": self.geometry.slot_count,
                 "free_slots": self.index.free_slots,
                 "resting_slots": self.index.resting_slots,
+                "staging_slots": self.staging.geometry.slot_count,
+                "free_staging_slots": len(self._staging_free),
                 "chunks": self.index.chunks,
                 "leases": self.index.leases,
                 "pinned_slots": self.index.pinned_slots(),
@@ -269,12 +330,11 @@ class HostTier:
             }
 
     def close(self) -> None:
-        self._seal_queue.put(None)
-        self._verifier.shutdown(wait=False)
-        self._sealer.join(timeout=10)
+        self._copiers.shutdown(wait=True)
         with self.lock:
             self.index.table = None
             self.table.close()
+        self.staging.close()
         self.pool.close()
 
     # --- internals -------------------------------------------------------------------------
@@ -284,21 +344,16 @@ class HostTier:
         self.pool.header(slot)[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
 
     def _claim(self, slot: int, namespace: str, key: bytes, generation: int) -> None:
-        """Mark a slot as being written for a chunk, with its new generation (lock held)."""
-        self._write_header(slot, ChunkHeader(namespace, key, 0, 0, SlotState.WRITING))
+        """Mark a slot as being written for a chunk, with its new generation (lock held).
+        The stamp changes first: a reader that reads stamp, header, stamp and sees the same
+        stamp twice read the header of the chunk that stamp belongs to."""
         self.pool.set_generation(slot, generation)
+        self._write_header(slot, ChunkHeader(namespace, key, 0, 0, SlotState.WRITING))
 
     def _count_corrupt(self, why: str) -> None:
         self.corrupt += 1
         self.metrics.corrupt.labels(TIER).inc()
         log.warning("dropped a chunk: %s", why)
-
-    def _seal_loop(self) -> None:
-        while (entry := self._seal_queue.get()) is not None:
-            digest = checksum(self.pool.payload(entry.slot, entry.length).data)
-            with self.lock:
-                self._seal(entry, digest)
-                self.index.unpin(entry)
 
     def _seal(self, entry: Entry, digest: int) -> None:
         """Write the SEALED header and hand the chunk to the write-back hook (lock held)."""
@@ -321,7 +376,9 @@ class HostTier:
             sealed = [
                 (i, e) for i, e in enumerate(held) if e is not None and e.checksum is not None
             ]
-            damaged = [held[i] for i in self._altered(sealed)]
+            damaged = [
+                held[i] for part in self._copiers.map(self._altered, _split(sealed)) for i in part
+            ]
             for entry in damaged:
                 assert entry is not None
                 self.index.remove(entry)

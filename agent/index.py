@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
+from kvtier.agent import protocol as p
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.events import ChunkEvents
 from kvtier.agent.policy import ChunkId, EvictionPolicy
@@ -36,6 +37,7 @@ EXISTS = -1  # already held: the store is a duplicate and is skipped
 BUSY = -2  # another client is writing it right now
 FULL = -3  # every slot is pinned; nothing could be evicted
 MISS = -1  # `begin_load`: not held
+STAGING = p.STAGING_FULL  # `HostTier.allocate`: no staging slot free now; store it later
 
 
 class LeaseError(ValueError):
@@ -75,6 +77,7 @@ class Lease:
     kind: Literal["store", "load"]
     entries: list[Entry]
     deadline: float
+    committing: bool = False  # the agent is copying its chunks in: never expired meanwhile
 
 
 @dataclass
@@ -277,6 +280,19 @@ class HostIndex:
             kept.append(entry)
         return kept
 
+    def begin_commit(self, lease_id: int, client: str) -> list[Entry]:
+        """The chunks of a store lease its holder commits, which the agent now copies into
+        their slots: the lease no longer expires nor goes with its client, as the agent
+        itself writes those slots until `commit` or `abort`. Raises as `commit` would."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.client != client:
+            self._take(lease_id, client, "store")  # raises the error commit would raise
+        assert lease is not None
+        if lease.kind != "store":
+            raise ValueError(f"lease {lease_id} is a {lease.kind} lease, not a store lease")
+        lease.committing = True
+        return list(lease.entries)
+
     def abort(self, lease_id: int, client: str) -> None:
         self._release(self._take(lease_id, client, "store"))
 
@@ -353,7 +369,11 @@ class HostIndex:
     def expire(self, now: float) -> list[Lease]:
         """Release leases past their deadline (store slots go to rest) and return rested
         slots to use."""
-        expired = [lease for lease in self._leases.values() if lease.deadline <= now]
+        expired = [
+            lease
+            for lease in self._leases.values()
+            if lease.deadline <= now and not lease.committing
+        ]
         for lease in expired:
             del self._leases[lease.id]
             self._release(lease, rest_until=now + self.rest_seconds)
@@ -365,7 +385,11 @@ class HostIndex:
 
     def release_client(self, client: str) -> list[Lease]:
         """Release every lease of a client that is gone."""
-        gone = [lease for lease in self._leases.values() if lease.client == client]
+        gone = [
+            lease
+            for lease in self._leases.values()
+            if lease.client == client and not lease.committing
+        ]
         for lease in gone:
             del self._leases[lease.id]
             self._release(lease)

@@ -45,13 +45,17 @@ class PoolMap:
     copy from a truncated file would end the process with SIGBUS.
     """
 
-    def __init__(self, path: Path, geometry: PoolGeometry, populate: bool = True) -> None:
+    def __init__(
+        self, path: Path, geometry: PoolGeometry, populate: bool = True, writable: bool = True
+    ) -> None:
         self.path = path
         self.geometry = geometry
-        self._fd = os.open(path, os.O_RDWR)
+        self.writable = writable
+        self._fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-            self._mmap = mmap.mmap(self._fd, geometry.file_bytes, flags=flags)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._mmap = mmap.mmap(self._fd, geometry.file_bytes, flags=flags, prot=prot)
             self.inode = os.fstat(self._fd).st_ino
         except BaseException:
             os.close(self._fd)
@@ -67,13 +71,14 @@ class PoolMap:
         )
 
     @classmethod
-    def open(cls, path: Path, populate: bool = True) -> PoolMap:
-        """Map an existing pool, reading its geometry from the superblock (client side)."""
+    def open(cls, path: Path, populate: bool = True, writable: bool = True) -> PoolMap:
+        """Map an existing pool, reading its geometry from the superblock (client side:
+        read-only for the pool, writable for the staging area)."""
         with open(path, "rb") as f:
             geometry = PoolGeometry.unpack(f.read(SUPERBLOCK.size))
         if geometry is None:
             raise ValueError(f"{path} is not a kvtier pool of format {POOL_VERSION}")
-        return cls(path, geometry, populate)
+        return cls(path, geometry, populate, writable)
 
     def payload(self, slot: int, nbytes: int | None = None) -> Bytes:
         start = self.geometry.payload_offset(slot)
@@ -106,6 +111,37 @@ class PoolMap:
             os.close(self._fd)
 
 
+# The pool is the agent's to write, its group's to read: a client maps it read-only, so no
+# client can alter a sealed chunk (bytes to store go through the staging area). Staging is
+# group-writable; what a client writes there is copied into the pool, and sealed, by the
+# agent at commit.
+POOL_MODE = 0o640
+STAGING_MODE = 0o660
+
+
+def staging_path(pool_path: Path) -> Path:
+    """The staging area beside the pool at `pool_path` (clients derive it the same way)."""
+    return pool_path.with_name(pool_path.name + ".staging")
+
+
+def create_staging(path: Path, geometry: PoolGeometry, populate: bool) -> PoolMap:
+    """A fresh staging area (its bytes never outlive the agent process that hands them out),
+    every page allocated before it is mapped, as for the pool."""
+    target = path.with_name(path.name + ".new")
+    fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, STAGING_MODE)
+    try:
+        os.fchmod(fd, STAGING_MODE)
+        os.posix_fallocate(fd, 0, geometry.file_bytes)
+        os.pwrite(fd, geometry.pack(), 0)
+    except BaseException:
+        os.close(fd)
+        target.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(target, path)
+    return PoolMap(path, geometry, populate)
+
+
 def reusable(path: Path, geometry: PoolGeometry) -> bool:
     """Whether `path` holds a pool of exactly this geometry (a warm restart keeps it)."""
     try:
@@ -126,8 +162,9 @@ def create_or_reuse(path: Path, geometry: PoolGeometry, populate: bool) -> tuple
     """
     reused = reusable(path, geometry)
     target = path if reused else path.with_name(path.name + ".new")
-    fd = os.open(target, os.O_RDWR | (0 if reused else os.O_CREAT | os.O_TRUNC), 0o660)
+    fd = os.open(target, os.O_RDWR | (0 if reused else os.O_CREAT | os.O_TRUNC), POOL_MODE)
     try:
+        os.fchmod(fd, POOL_MODE)  # an older agent's pool was group-writable; the umask aside
         os.posix_fallocate(fd, 0, geometry.file_bytes)
         if not reused:
             os.pwrite(fd, geometry.pack(), 0)

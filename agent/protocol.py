@@ -5,8 +5,9 @@ ipc socket as two frames: an 8-byte request id, so a client that timed out can t
 reply from the one it waits for, and the body. Requests whose outcome the client does not
 need (Abort, EndLoad, Looked) go one-way with the id ONE_WAY and get no reply, so a load costs one
 round trip; a store costs two (Allocate, Commit), so that a finished store is visible to
-every client at once. Chunk bytes never travel here:
-both sides map the same pool file and the messages carry slot numbers. This module imports
+every client at once. Chunk bytes never travel here: both sides map the same files (the
+pool, read-only to clients, and the staging area clients write stores into) and the
+messages carry slot numbers. This module imports
 only msgspec, because the vLLM plug-in imports it.
 
 A client is bound to its connection: its first message is Hello, and the agent refuses
@@ -23,13 +24,18 @@ from typing import Annotated
 import msgspec
 
 # 2: connection-bound clients, lease generations, error codes
-# 3: the published index (clients answer pool lookups themselves) and Looked reports
+# 3: the published index (clients answer pool lookups themselves) and Looked reports; the
+#    pool read-only to clients, stores written into a staging area (LeaseReply.staging)
 PROTOCOL_VERSION = 3
 ONE_WAY = b"\0" * 8
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_KEYS = 65536
 MAX_NAMESPACE_BYTES = 256  # as in a chunk header
 MAX_KEY_BYTES = 1024
+
+# Allocate's answer for a key no staging slot was free for right now: store it again once
+# earlier stores are committed (the other negative slot codes are in index.py).
+STAGING_FULL = -4
 
 # Error codes of ErrorReply.
 NOT_REGISTERED = "not_registered"  # say Hello on this connection first
@@ -171,6 +177,9 @@ class LeaseReply(msgspec.Struct, tag="lease_reply"):
     slots: list[int]
     where: list[int] = []  # BeginLoad: where each granted chunk came from, as in LookupReply
     generations: list[int] = []
+    # Allocate: the staging slot to write key i into (-1 for none); the pool is read-only
+    # to clients, and Commit copies the staged chunks into their pool slots.
+    staging: list[int] = []
 
 
 class Ack(msgspec.Struct, tag="ack"):

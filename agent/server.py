@@ -282,10 +282,11 @@ class Agent:
                 if parents is not None:  # for the policy, before the store evicts anything
                     with host.lock:
                         host.index.note_parents(namespace, keys, parents)
-                lease, slots, generations = host.allocate(client, namespace, keys, nbytes)
-                return p.LeaseReply(lease, slots, [], generations)
+                lease, slots, generations, staging = host.allocate(client, namespace, keys, nbytes)
+                return p.LeaseReply(lease, slots, [], generations, staging)
             case p.Commit(lease):
-                host.commit(lease, client)
+                # the agent copies the staged chunks into the pool: off the request loop
+                return lambda: self._commit(lease, client)
             case p.Abort(lease):
                 host.abort(lease, client)
             case p.BeginLoad(namespace, keys, source):
@@ -306,6 +307,13 @@ class Agent:
                 return p.StatsReply(self.stats())
             case p.AccessLog(after):
                 return self.access_log.reply(after)
+        return p.Ack()
+
+    def _commit(self, lease: int, client: str) -> p.Reply:
+        try:
+            self.host.commit(lease, client)
+        except (LeaseError, ValueError) as exc:
+            return self._refusal("commit", exc)
         return p.Ack()
 
     def _ask_source(self, source: str, namespace: str, keys: list[bytes]) -> None:

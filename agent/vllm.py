@@ -458,19 +458,15 @@ class KVTierSecondaryTier(SecondaryTierManager):
             except Exception:  # only an eviction hint: never a reason to fail the store
                 log.debug("kvtier: no parents for store job %s", job.job_id, exc_info=True)
                 parents = None
-            grant = client.allocate(self.namespace, keys, self._row_bytes, parents)
-            stored = [k for k, s in zip(keys, grant.slots, strict=True) if s >= 0]
-            if grant.lease:
-                for slot, chunk in zip(grant.slots, job.chunk_ids, strict=True):
-                    if slot >= 0:
-                        np.copyto(client.slot(slot, self._row_bytes), self._rows[int(chunk)])
-                client.commit(grant.lease)
+            rows = [self._rows[int(chunk)] for chunk in job.chunk_ids]
+            # into the agent's staging area; it copies them into the pool and seals them
+            result = client.store(self.namespace, keys, rows, parents)
         except AgentUnavailable as exc:
             self._job_failed(job, "store", exc)
             return
         self._set_available(True)
         seconds = time.perf_counter() - started
-        nbytes = len(stored) * self._row_bytes
+        nbytes = result.stored * self._row_bytes
         self._record("counter", Metrics.STORE_BYTES, nbytes)
         self._record("histogram", Metrics.STORE_SECONDS, seconds)
         self._finished.put(JobResult(job.job_id, True, None, seconds, nbytes))

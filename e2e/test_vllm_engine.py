@@ -105,9 +105,9 @@ def test_engines_reload_kv_from_the_agent(agent: AgentConfig) -> None:
 
 @pytest.mark.timeout(1200)
 def test_bytes_altered_in_the_pool_after_sealing_are_never_loaded(agent: AgentConfig) -> None:
-    """Any pod of the tier maps the pool writable: 4 KiB flipped in half of a model's
-    sealed chunks. A fresh engine produces the output of recompute (the altered chunks are
-    misses, and a prompt's hits end at its first one), and the agent counts each."""
+    """A pod of the tier tries to flip 4 KiB in half of a model's sealed chunks and scribbles
+    over the staging area: the pool is the agent's to write and its group's to read, so it
+    alters nothing, and a fresh engine reloads every chunk, output unchanged."""
     model = str(build(REPO / ".scratch" / "tiny-llama"))
     run = {"model": model, "kv_transfer_config": kv_config(agent), "prompts": PROMPTS}
     (first,) = run_engines([run]).results
@@ -118,13 +118,12 @@ def test_bytes_altered_in_the_pool_after_sealing_are_never_loaded(agent: AgentCo
     altered = int(
         subprocess.run(hostile, capture_output=True, text=True, check=True, cwd=REPO).stdout
     )
-    assert altered > 0
+    assert altered == 0
     (fresh,) = run_engines([run]).results
     assert fresh["passes"][0] == first["passes"][0]
     with AgentClient(agent.endpoint) as client:
-        corrupt = client.stats()["corrupt"]
-    assert 0 < corrupt <= altered
-    assert fresh["metrics"][HITS] < 2 * BLOCKS_PER_PROMPT * 32  # fewer than all reloaded
+        assert client.stats()["corrupt"] == 0
+    assert fresh["metrics"][HITS] >= 2 * BLOCKS_PER_PROMPT * 32  # every chunk reloaded
 
 
 @pytest.mark.timeout(1200)

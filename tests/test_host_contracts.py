@@ -33,7 +33,7 @@ def test_lease_from_before_a_restart_cannot_publish_another_clients_chunk(
     first = agent_factory(config)
     a = AgentClient(config.endpoint, timeout=1.0).connect()
     grant_a = a.allocate(NS, [b"key-a"], ROW)
-    np.copyto(a.slot(grant_a.slots[0], ROW), row(1, ROW))
+    np.copyto(a.staging_slot(grant_a.staging[0], ROW), row(1, ROW))
     first.kill()
 
     agent_factory(config)
@@ -45,7 +45,7 @@ def test_lease_from_before_a_restart_cannot_publish_another_clients_chunk(
         out = np.zeros(ROW, np.uint8)
         loaded = reader.load_into(NS, [b"key-b"], [out])
         assert not loaded[0] or not np.array_equal(out, row(1, ROW)), "key B served A's bytes"
-        np.copyto(b.slot(grant_b.slots[0], ROW), row(2, ROW))
+        np.copyto(b.staging_slot(grant_b.staging[0], ROW), row(2, ROW))
         b.commit(grant_b.lease)
         assert reader.load_into(NS, [b"key-b"], [out]) == [True]
         assert np.array_equal(out, row(2, ROW))
@@ -195,7 +195,8 @@ def test_writer_whose_lease_expired_cannot_alter_the_next_chunk_of_its_slot(
         n = other.stats()["slots"]
         other.store(NS, [key(i) for i in range(1, n + 1)], [row(i, ROW) for i in range(1, n + 1)])
         wait_settled(other)
-        np.copyto(slow.slot(grant.slots[0], ROW), row(0, ROW))  # the late copy lands
+        # the late copy lands in its staging slot (the pool is read-only to clients)
+        np.copyto(slow.staging_slot(grant.staging[0], ROW), row(0, ROW))
         ids = list(range(1, n + 1))
         outs = [np.zeros(ROW, np.uint8) for _ in ids]
         loaded = other.load_into(NS, [key(i) for i in ids], outs)

@@ -52,9 +52,9 @@ def test_no_interleaving_publishes_a_key_with_another_keys_bytes(
                     if step == "allocate":
                         ids = rng.sample(range(KEYS), rng.randint(1, 2))
                         grant = client.allocate(NS, [key(i) for i in ids], ROW)
-                        for i, slot in zip(ids, grant.slots, strict=True):
+                        for i, slot, staged in zip(ids, grant.slots, grant.staging, strict=True):
                             if slot >= 0:
-                                np.copyto(client.slot(slot, ROW), row(i, ROW))
+                                np.copyto(client.staging_slot(staged, ROW), row(i, ROW))
                         if grant.lease:
                             stores.append((client, grant))
                     elif step == "commit" and stores:
