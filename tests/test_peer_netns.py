@@ -25,6 +25,7 @@ from kvtier.agent.config import AgentConfig
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.tiers.nixl_path import available
 from kvtier.agent.tiers.peer_wire import write_keys
+from kvtier.bench.peers import UCX_BETWEEN_HOSTS
 from tests import netns
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
@@ -32,7 +33,7 @@ from tests.test_agent_tiers import load_exact, wait_for
 from tests.test_peers import node_config, peer_stats
 
 PEER_PORT = 5557
-UCX = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+UCX = UCX_BETWEEN_HOSTS  # UCX_TLS=tcp, UCX_NET_DEVICES=eth0, TCP segment and buffer sizes
 
 
 def tcp_connections(namespace: str) -> list[tuple[str, str]]:

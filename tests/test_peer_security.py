@@ -324,7 +324,7 @@ def test_a_member_reads_over_nixl_only_the_slots_lent_to_it(
     }
     (scratch / "registry" / "probe.json").write_text(json.dumps(record))
     keyed = (ring.public, ring.secret, ring.public)
-    # answered once the holder has read the new member (at most four re-reads a second)
+    # answered once the holder has read the new member (at most twenty re-reads a second)
     hello = wait_for(lambda: (h := ask(target, NixlHello(me), keyed)) and h[0] and h)
 
     agent = nixl.nixl_agent("probe", nixl.nixl_agent_config(backends=["UCX"]))

@@ -330,11 +330,11 @@ class PeerTier(SecondaryTier):
 
     def is_member(self, endpoint: str) -> bool:
         """Whether `endpoint` is a live agent of this tier; one not known yet makes the
-        membership be re-read (at most four times a second), so a node that just joined is
+        membership be re-read (at most twenty times a second), so a node that just joined is
         not refused for long."""
         if endpoint in self._member_set:
             return True
-        self.live_members(fresh_within=min(0.25, self.config.membership_seconds))
+        self.live_members(fresh_within=min(0.05, self.config.membership_seconds))
         return endpoint in self._member_set
 
     def peers(self) -> list[str]:
@@ -552,7 +552,7 @@ class PeerTier(SecondaryTier):
             if reply is None:
                 return ""
             if len(reply) > 1:  # refused: it does not know this agent as a member yet
-                self._nixl_retry[endpoint] = time.monotonic() + 1.0
+                self._nixl_retry[endpoint] = time.monotonic() + 0.2
                 return ""
             metadata = bytes(reply[0])
             try:

@@ -129,7 +129,11 @@ class PeerServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            ready = poller.poll(5 if self._loans or self._sending or self.nixl else 200)
+            # While NIXL loans are out the backend is progressed without pause: over UCX's
+            # TCP transport the holder's side serves the READs in software, and a pause
+            # here is a stall of the transfer (over RDMA or shared memory it costs nothing).
+            wait = 1 if self._loans else 5 if self._sending or self.nixl else 200
+            ready = poller.poll(wait)
             self._settle()
             if self.nixl is not None:
                 self.nixl.progress()
