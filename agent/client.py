@@ -128,6 +128,7 @@ class AgentClient:
         self.hello: p.HelloReply | None = None
         self._reports: dict[str, list[npt.NDArray[np.uint64]]] = {}
         self._reports_lock = threading.Lock()
+        self._loaded_bytes = 0  # loaded without a lease since the last report
         self._reported_keys = 0
         self._report_due = 0.0
 
@@ -285,14 +286,19 @@ class AgentClient:
         try:
             with self._reports_lock:
                 reports, self._reports, self._reported_keys = self._reports, {}, 0
+                loaded, self._loaded_bytes = self._loaded_bytes, 0
+            if loaded and not reports:
+                reports = {"-": []}  # bytes to report even with no lookup waiting
             for namespace, requests in reports.items():
-                for start in range(0, len(requests), p.MAX_KEYS):
+                for start in range(0, max(1, len(requests)), p.MAX_KEYS):
                     part = requests[start : start + p.MAX_KEYS]
                     message = p.Looked(
                         namespace,
-                        np.concatenate(part).astype("<u8").tobytes(),
+                        np.concatenate(part).astype("<u8").tobytes() if part else b"",
                         [len(r) for r in part],
+                        loaded,
                     )
+                    loaded = 0
                     with contextlib.suppress(zmq.Again):
                         self._socket().send_multipart(
                             [p.ONE_WAY, p.encode(message)], flags=zmq.NOBLOCK, copy=True
@@ -472,6 +478,13 @@ class AgentClient:
             raise ValueError(
                 f"a buffer of {too_big[0]} bytes is larger than a slot ({self.slot_bytes} bytes)"
             )
+        index = self._live_index()
+        if index is not None and not source and self.pool is not None:
+            ds = digests(namespace, keys)
+            slots, gens = index.find(ds)
+            hello = self.hello
+            if (slots >= 0).all() or (hello is not None and not hello.tiers):
+                return self._load_unleased(namespace, views, slots.tolist(), gens.tolist())
         grant = self.begin_load(namespace, keys, source)
         if grant.lease == 0:
             return [False] * len(keys)
@@ -483,6 +496,30 @@ class AgentClient:
                     loaded[i] = self.still_granted(grant, i)
         finally:
             self.end_load(grant.lease)
+        return loaded
+
+    def _load_unleased(
+        self, namespace: str, views: list[Bytes], slots: list[int], gens: list[int]
+    ) -> list[bool]:
+        """Copy chunks the published index names straight out of the pool, without a
+        lease: a slot's stamp is its generation before and after the copy, or the copy is
+        not counted (the agent changes a slot's stamp before it writes any of its bytes, so
+        a copy that saw one new byte sees the new stamp after). Only the agent writes the
+        pool, so the bytes are the sealed ones. The bytes are reported with the lookups."""
+        pool = self.pool
+        assert pool is not None
+        if not pool.intact():
+            raise AgentUnavailable(f"pool {pool.path} was truncated under this client")
+        loaded = [False] * len(views)
+        nbytes = 0
+        for i, (view, slot, gen) in enumerate(zip(views, slots, gens, strict=True)):
+            if slot >= 0 and pool.generation(slot) == gen:
+                np.copyto(view, pool.payload(slot, view.nbytes))
+                if pool.generation(slot) == gen:
+                    loaded[i] = True
+                    nbytes += view.nbytes
+        with self._reports_lock:
+            self._loaded_bytes += nbytes
         return loaded
 
     # --- transport -----------------------------------------------------------------------
@@ -506,7 +543,7 @@ class AgentClient:
         has not (or not since a timeout), and again once if the agent does not know this
         connection. Threads may share a client: one request at a time on the socket, while
         copies of chunk bytes happen outside this lock."""
-        if self._reports:
+        if self._reports or self._loaded_bytes:
             self.flush_reports()  # what was looked up here reaches the agent before it answers
         deadline = time.monotonic() + self.timeout
         with self._io_lock:

@@ -139,6 +139,11 @@ class HostTier:
         self._found += sum(hits)
         return hits
 
+    def count_loaded(self, nbytes: int) -> None:
+        """Bytes clients loaded from the pool without a lease (reported with lookups)."""
+        if nbytes:
+            self._load_bytes.inc(nbytes)
+
     def after_reply(self) -> None:
         """Bookkeeping that need not delay an answer: the policy's view of recent hits and
         the lookup counters. The server calls it after each reply, before the next request."""

@@ -82,6 +82,9 @@ class Looked(msgspec.Struct, tag="looked"):
     namespace: Namespace
     digests: Annotated[bytes, msgspec.Meta(max_length=8 * MAX_KEYS * 16)]
     sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_KEYS)]
+    # bytes the client loaded straight from the pool, found in the published index, since
+    # its last report (such loads take no lease: see AgentClient.load_into)
+    loaded_bytes: Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)] = 0
 
 
 class Allocate(msgspec.Struct, tag="allocate"):

@@ -266,7 +266,8 @@ class Agent:
                 if self.tiers is not None and prefix < len(keys):
                     return lambda: self._lookup_tiers(namespace, keys, hits, source, deadline)
                 return p.LookupReply(hits, prefix, [0 if h else MISS for h in hits])
-            case p.Looked(namespace, digests, sizes):
+            case p.Looked(namespace, digests, sizes, loaded_bytes):
+                host.count_loaded(loaded_bytes)
                 # Lookups a client answered from the published index: the one place where
                 # they reach the counters, the policy's recency and the access log.
                 start = 0

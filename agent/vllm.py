@@ -361,11 +361,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
         """The lookups answered here this step, one request each, to the agent: one
         one-way message (it counts them, refreshes recency, logs the requests)."""
         looked, self._looked = self._looked, {}
-        if not looked or self._namespace is None:
-            return
-        for digests in looked.values():
-            self._client.report(self._namespace, np.array(digests, np.uint64))
-        self._client.flush_reports(block=False)
+        if looked and self._namespace is not None:
+            for digests in looked.values():
+                self._client.report(self._namespace, np.array(digests, np.uint64))
+        self._client.flush_reports(block=False)  # and the bytes loaded without a lease
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit(self._store, job_metadata)
@@ -476,25 +475,20 @@ class KVTierSecondaryTier(SecondaryTierManager):
         keys = list(job.keys)
         try:
             client = self._connected()
-            grant = client.begin_load(
-                self.namespace, [bytes(k) for k in keys], source_of(job.req_context)
+            # pool hits straight from the read-only pool (no lease); others via the agent
+            done = client.load_into(
+                self.namespace,
+                [bytes(k) for k in keys],
+                [self._rows[int(chunk)] for chunk in job.chunk_ids],
+                source_of(job.req_context),
             )
-            try:
-                for slot, chunk in zip(grant.slots, job.chunk_ids, strict=True):
-                    if slot >= 0:
-                        np.copyto(self._rows[int(chunk)], client.slot(slot, self._row_bytes))
-            finally:
-                if grant.lease:
-                    client.end_load(grant.lease)
         except AgentUnavailable as exc:
             self._failed_loads.put(keys)
             self._job_failed(job, "load", exc)
             return
         self._set_available(True)
-        # A slot that changed hands during the copy (its lease expired) gave other bytes.
-        loaded = [
-            k for i, k in enumerate(keys) if grant.slots[i] >= 0 and client.still_granted(grant, i)
-        ]
+        # A chunk evicted, or its slot given to another chunk, during the copy is not loaded.
+        loaded = [k for k, ok in zip(keys, done, strict=True) if ok]
         seconds = time.perf_counter() - started
         nbytes = len(loaded) * self._row_bytes
         self._record("counter", Metrics.LOAD_BYTES, nbytes)

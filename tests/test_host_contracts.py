@@ -19,6 +19,7 @@ import pytest
 from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable, LeaseLost
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.process import AgentProcess
+from kvtier.agent.shm_index import digests
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled
 from tests.test_agent_tiers import wait_for
@@ -160,6 +161,9 @@ class _SlowReader(AgentClient):
     writer: AgentClient
     stall_seconds: float
 
+    def _live_index(self) -> Any:
+        return None  # leased loads: the unleased path is checked on its own below
+
     def slot(self, slot: int, nbytes: int | None = None) -> Any:
         time.sleep(self.stall_seconds)
         n = self.writer.stats()["slots"]
@@ -182,6 +186,26 @@ def test_reader_whose_lease_expired_gets_no_other_chunks_bytes(
         out = np.zeros(ROW, np.uint8)
         loaded = reader.load_into(NS, [key(0)], [out])
         assert loaded == [False] or np.array_equal(out, row(0, ROW)), "another chunk's bytes"
+
+
+def test_unleased_load_of_a_slot_given_to_another_chunk_is_not_counted(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent
+) -> None:
+    """A load straight from the published index takes no lease: the chunk found may be
+    evicted and its slot rewritten before the copy; the slot's stamp tells."""
+    config = make_config()
+    agent_factory(config)
+    with AgentClient(config.endpoint) as writer, AgentClient(config.endpoint) as reader:
+        writer.store(NS, [key(0)], [row(0, ROW)])
+        assert reader.index is not None
+        slots, gens = reader.index.find(digests(NS, [key(0)]))
+        assert slots[0] >= 0
+        n = writer.stats()["slots"]
+        others = range(1, n + 1)
+        writer.store(NS, [key(i) for i in others], [row(i, ROW) for i in others])
+        out = np.zeros(ROW, np.uint8)
+        assert reader._load_unleased(NS, [out], slots.tolist(), gens.tolist()) == [False]
+        assert reader.load_into(NS, [key(0)], [out]) == [False]  # evicted: a miss
 
 
 def test_writer_whose_lease_expired_cannot_alter_the_next_chunk_of_its_slot(
