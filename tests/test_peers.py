@@ -309,10 +309,9 @@ def test_nodes_with_their_own_addresses_share_through_the_directory(
 ) -> None:
     """Three agents, each in its own network namespace with its own address on a bridge
     (three "machines"), authenticated with the cluster key: chunks stored on one node are
-    found through their home and loaded on another across real interfaces. Whether UCX
-    takes its TCP transport between namespaces of one host depends on the host's network
-    setup: the chunks come over NIXL where it connects and over ZMQ where it does not, and
-    every one of them arrives through a peer."""
+    found through their home and loaded on another across real interfaces. UCX runs with
+    its defaults here (the chunks come over NIXL where it connects, else over ZMQ, every one
+    through a peer); test_peer_netns.py pins UCX to TCP and requires NIXL."""
     keys = scratch / "curve"
     write_keys(keys)
     with netns.nodes(3) as machines, contextlib.ExitStack() as stack:
