@@ -13,15 +13,16 @@ probability that a chunk is used again, given its class and how long ago it was 
 chunk's class is how often it has been used (1, 2, 3-4, 5 or more times) and its pace: the
 gap between its last two uses (unknown, under 4,096 accesses, under 16,384, longer), or for
 a new chunk its parent's, which is its conversation's (a chat whose turns came quickly
-comes back sooner). The densities are learnt from the traffic itself: each access of a
-chunk that was seen before (resident, or remembered after eviction) records the gap since
-its last access under the class it had, and each access counts a chunk entering its new
-class; the table is rebuilt every 4,096 accesses from counts that halve every 65,536, a
-class seen little drawn towards the density of all chunks (until the first rebuild, more
-uses and less age are worth more). Eviction compares the oldest leaf of each class by the
-density of its use count alone (ordering by pace as well did no better, and fell just below
-LRU on a multi-turn chat trace with a large pool); 16 candidates, O(log n) with one heap
-per class.
+comes back sooner), unless the parent is a shared head (used five times or more: a system
+prompt's pace is no conversation's). The densities are learnt from the traffic itself:
+each access of a chunk that was seen before (resident, or remembered after eviction)
+records the gap since its last access under the class it had, and each access counts a
+chunk entering its new class; the table is rebuilt every 4,096 accesses from counts that
+halve every 65,536, a class seen little drawn towards the density of all chunks (until the
+first rebuild, more uses and less age are worth more). Eviction compares the oldest leaf of
+each class by the density of its use count alone (ordering by pace as well did no better,
+and fell just below LRU on a multi-turn chat trace with a large pool); 16 candidates,
+O(log n) with one heap per class.
 
 Why: on the Mooncake conversation trace (512-token blocks) a chunk used once is used again
 in 24% of cases, a median 500 requests later; one used six times or more in 91%, most often
@@ -62,12 +63,13 @@ HISTORY_MIN = 65536
 USES = (0, 0, 1, 2, 2, 3, 3, 3, 3)  # use-count bucket by min(uses, 8): 1, 2, 3-4, 5+
 PACES = 4  # gap between the last two uses: unknown, under 2^12 accesses, 2^14, longer
 CLASSES = 4 * PACES
-AGES = 48  # age buckets: bit length of the age in accesses
+AGES = 64  # age buckets: bit length of the age in accesses
 REFRESH = 4096  # accesses between rebuilds of the density table
 HALVE = 65536  # accesses between halvings of the counts
 WARM_POOLS = 4  # pools' worth of accesses before admission control starts
 REFUSED_MAX = 4096
 SMOOTHING = 256.0
+HEAD_USES = 5  # a parent used this often is a shared head: its pace is no conversation's
 
 _Entry = tuple[int, int, ChunkId]  # (last access, sequence, chunk)
 _State = tuple[int, int, int, int]  # (last access, uses, class, pace)
@@ -104,6 +106,7 @@ class PrefixPolicy(EvictionPolicy):
         # Until the first rebuild, a prior: more uses and less age are worth more.
         self._density = [[(c // PACES + 1) / (1 << b) for b in range(AGES)] for c in range(CLASSES)]
         self._coarse = [[(u + 1) / (1 << b) for b in range(AGES)] for u in range(CLASSES // PACES)]
+        self._order = [self._coarse[c // PACES] for c in range(CLASSES)]  # eviction's rows
         self._until_refresh = REFRESH
         self._until_halve = HALVE
         self.refused = 0
@@ -137,7 +140,7 @@ class PrefixPolicy(EvictionPolicy):
             if held is not None:
                 self._parent[chunk] = parent
                 self._children[parent] = self._children.get(parent, 0) + 1
-                pace = held[3]  # a new chunk goes at its conversation's pace
+                pace = held[3] if held[1] < HEAD_USES else 0  # its conversation's pace
         self._access(chunk, self._history.pop(chunk, None), pace)
 
     def on_hit(self, chunk: ChunkId) -> None:
@@ -211,7 +214,7 @@ class PrefixPolicy(EvictionPolicy):
         if before is not None:
             return _class(before[1] + 1, _pace(self.now + 1 - before[0]) if before[0] >= 0 else 0)
         parent = self._state.get(self._announced.get(incoming))
-        return _class(1, parent[3] if parent is not None else 0)
+        return _class(1, parent[3] if parent is not None and parent[1] < HEAD_USES else 0)
 
     def _access(self, chunk: ChunkId, before: _State | None, pace: int) -> None:
         """A use of `chunk`: `before` is what was known of it (None: never seen; `pace` is
@@ -223,7 +226,7 @@ class PrefixPolicy(EvictionPolicy):
             last, uses, cls, pace = before
             if last >= 0:
                 gap = now - last
-                self._gaps[cls][min(gap.bit_length(), AGES - 1)] += 1
+                self._gaps[cls][gap.bit_length()] += 1
                 pace = _pace(gap)
             uses += 1
         cls = _class(uses, pace)
@@ -301,31 +304,39 @@ class PrefixPolicy(EvictionPolicy):
 
     def _density_of(self, chunk: ChunkId) -> float:
         last, _, cls, _ = self._state[chunk]
-        return self._density[cls][min((self.now - last).bit_length(), AGES - 1)]
+        return self._density[cls][(self.now - last).bit_length()]
 
     def _lowest_leaf(self, evictable: Callable[[ChunkId], bool]) -> tuple[ChunkId, float] | None:
-        """The evictable leaf of least density among each class's oldest, and its density."""
-        best: tuple[ChunkId, float] | None = None
-        best_key = (0.0, 0)
-        pinned: list[tuple[list[_Entry], _Entry]] = []
+        """The evictable leaf of least density among each class's oldest, and its density.
+        Only the winner is asked whether it may go; a pinned one is set aside and the
+        classes compared again (pins sit on recent chunks, rarely on a class's oldest)."""
         state, children, now = self._state, self._children, self.now
-        for cls, heap in enumerate(self._heaps):
-            while heap:
-                last, _, chunk = heap[0]
-                held = state.get(chunk)
-                if held is None or held[0] != last or children.get(chunk):
-                    heapq.heappop(heap)  # superseded, gone, or no longer a leaf
-                    continue
-                if not evictable(chunk):
-                    pinned.append((heap, heapq.heappop(heap)))
-                    continue
-                density = self._coarse[cls // PACES][min((now - last).bit_length(), AGES - 1)]
-                if best is None or (density, last) < best_key:
-                    best, best_key = (chunk, density), (density, last)
+        pinned: list[tuple[list[_Entry], _Entry]] = []
+        found: tuple[ChunkId, float] | None = None
+        while True:
+            best: tuple[ChunkId, list[_Entry]] | None = None
+            best_key = (0.0, 0)
+            for heap, row in zip(self._heaps, self._order, strict=True):
+                while heap:
+                    last, _, chunk = heap[0]
+                    held = state.get(chunk)
+                    if held is None or held[0] != last or children.get(chunk):
+                        heapq.heappop(heap)  # superseded, gone, or no longer a leaf
+                        continue
+                    key = (row[(now - last).bit_length()], last)
+                    if best is None or key < best_key:
+                        best, best_key = (chunk, heap), key
+                    break
+            if best is None:
                 break
+            chunk, heap = best
+            if evictable(chunk):
+                found = (chunk, best_key[0])
+                break
+            pinned.append((heap, heapq.heappop(heap)))
         for heap, item in pinned:
             heapq.heappush(heap, item)
-        return best
+        return found
 
     def _refuse(self, incoming: ChunkId | None) -> None:
         """Turn a store away. It was an access all the same: counted, and remembered, so
@@ -342,7 +353,7 @@ class PrefixPolicy(EvictionPolicy):
         else:
             last, uses, was, _ = before
             gap = now - last
-            self._gaps[was][min(gap.bit_length(), AGES - 1)] += 1
+            self._gaps[was][gap.bit_length()] += 1
             uses, pace = uses + 1, _pace(gap)
         self._entered[cls] += 1
         self._history[incoming] = (now, uses, cls, pace)
