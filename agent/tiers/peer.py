@@ -447,7 +447,8 @@ class PeerTier(SecondaryTier):
     def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
         """Keys a direct-mode source holds, then the homes asked for the others (always: a
         holder that evicted a chunk has withdrawn it there)."""
-        found = [(namespace, key) in self._direct for key in keys]
+        direct = self._direct
+        found = [(namespace, key) in direct for key in keys] if direct else [False] * len(keys)
         asked = [i for i, known in enumerate(found) if not known]
         answers: list[tuple[list[int], list[str]]] = []
         remote: list[tuple[list[int], _Connection, WhoHas]] = []
