@@ -129,6 +129,8 @@ class AgentClient:
         self._reports: dict[str, list[npt.NDArray[np.uint64]]] = {}
         self._reports_lock = threading.Lock()
         self._loaded_bytes = 0  # loaded without a lease since the last report
+        self._ahead: set[bytes] = set()  # ids of requests sent ahead of their reply
+        self._stash: dict[bytes, bytes] = {}  # their replies, come while awaiting others
         self._reported_keys = 0
         self._report_due = 0.0
 
@@ -343,6 +345,29 @@ class AgentClient:
         LeaseLost when the lease is void."""
         self._call(p.Commit(lease), p.Ack)
 
+    def _commit_ahead(self, lease: int) -> bytes:
+        """Send a Commit without waiting for its reply (see `store`): its request id."""
+        if self._reports or self._loaded_bytes:
+            self.flush_reports()
+        with self._io_lock:
+            if self.hello is None:
+                self._connect_locked(time.monotonic() + self.timeout)
+            rid = _RID.pack(next(self._rids))
+            self._socket().send_multipart([rid, p.encode(p.Commit(lease))])
+            self._ahead.add(rid)
+            return rid
+
+    def _commit_done(self, rid: bytes, lease: int) -> None:
+        """Wait for the reply to a Commit sent ahead; raises as `commit` does."""
+        with self._io_lock:
+            try:
+                self._await(rid, "Commit", p.Ack, time.monotonic() + self.timeout)
+            except _NotRegistered:
+                self.hello = None
+                raise LeaseLost(
+                    f"lease {lease} is void: the agent restarted since it was granted"
+                ) from None
+
     def abort(self, lease: int) -> None:
         self._send(p.Abort(lease))
 
@@ -428,27 +453,43 @@ class AgentClient:
         stored = skipped = 0
         pending = list(range(len(keys)))
         deadline = time.monotonic() + self.timeout
-        while pending:
-            batch, pending = pending[: self.staging_capacity], pending[self.staging_capacity :]
-            grant = self.allocate(
-                namespace,
-                [keys[i] for i in batch],
-                nbytes,
-                None if parents is None else [parents[i] for i in batch],
-            )
-            if grant.lease:
-                self._stage(grant, [views[i] for i in batch], nbytes)
-                self.commit(grant.lease)
-            granted = sum(1 for s in grant.slots if s >= 0)
-            later = [i for i, s in zip(batch, grant.slots, strict=True) if s == p.STAGING_FULL]
-            stored += granted
-            skipped += len(batch) - granted - len(later)
-            if later and not granted:  # other clients' stores hold every staging slot
-                if time.monotonic() > deadline:
-                    skipped += len(later) + len(pending)
-                    break
-                time.sleep(0.001)
-            pending = later + pending
+        # Two rounds overlap: while the agent copies one round's staged chunks into the pool
+        # (its Commit sent ahead), this thread stages the next; each may hold half the area.
+        size = max(1, self.staging_capacity // 2)
+        ahead: tuple[bytes, int] | None = None
+        try:
+            while pending:
+                batch, pending = pending[:size], pending[size:]
+                grant = self.allocate(
+                    namespace,
+                    [keys[i] for i in batch],
+                    nbytes,
+                    None if parents is None else [parents[i] for i in batch],
+                )
+                if grant.lease:
+                    self._stage(grant, [views[i] for i in batch], nbytes)
+                if ahead is not None:
+                    self._commit_done(*ahead)
+                    ahead = None
+                if grant.lease:
+                    ahead = (self._commit_ahead(grant.lease), grant.lease)
+                granted = sum(1 for s in grant.slots if s >= 0)
+                later = [i for i, s in zip(batch, grant.slots, strict=True) if s == p.STAGING_FULL]
+                stored += granted
+                skipped += len(batch) - granted - len(later)
+                if later and not granted and ahead is None:  # others hold every staging slot
+                    if time.monotonic() > deadline:
+                        skipped += len(later) + len(pending)
+                        break
+                    time.sleep(0.001)
+                pending = later + pending
+            if ahead is not None:
+                self._commit_done(*ahead)
+                ahead = None
+        finally:
+            if ahead is not None:  # leave no reply behind; the store failed anyway
+                with contextlib.suppress(AgentUnavailable):
+                    self._commit_done(*ahead)
         return StoreResult(stored, skipped)
 
     def _stage(self, grant: Grant, views: list[Bytes], nbytes: int) -> None:
@@ -567,24 +608,41 @@ class AgentClient:
         sock = self._socket()
         rid = _RID.pack(next(self._rids))
         sock.send_multipart([rid, p.encode(request)])
-        while (left := deadline - time.monotonic()) > 0 and sock.poll(max(1, int(left * 1000))):
+        return self._await(rid, type(request).__name__, expect, deadline)
+
+    def _await(self, rid: bytes, what: str, expect: type[Any], deadline: float) -> Any:
+        """The reply to request `rid` (io lock held); replies to requests sent ahead that
+        arrive meanwhile are kept for their own `_await`."""
+        sock = self._socket()
+        body = self._stash.pop(rid, None)
+        while body is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                break
             frames = sock.recv_multipart()
-            if len(frames) != 2 or frames[0] != rid:
-                continue  # a late answer to an earlier, timed-out request
+            if len(frames) != 2:
+                continue
+            if frames[0] == rid:
+                body = frames[1]
+            elif frames[0] in self._ahead:
+                self._stash[frames[0]] = frames[1]
+            # else: a late answer to an earlier, timed-out request
+        if body is not None:
+            self._ahead.discard(rid)
             try:
-                reply = p.reply_decoder.decode(frames[1])
+                reply = p.reply_decoder.decode(body)
             except msgspec.MsgspecError as exc:
-                raise AgentRefused(
-                    f"undecodable reply to {type(request).__name__}: {exc}"
-                ) from None
+                raise AgentRefused(f"undecodable reply to {what}: {exc}") from None
             if isinstance(reply, p.ErrorReply):
                 if reply.code == p.NOT_REGISTERED:
                     raise _NotRegistered(reply.message)
                 error = LeaseLost if reply.code == p.LEASE else AgentRefused
-                raise error(f"agent refused {type(request).__name__}: {reply.message}")
+                raise error(f"agent refused {what}: {reply.message}")
             if not isinstance(reply, expect):
                 raise AgentRefused(f"unexpected reply {type(reply).__name__}")
             return reply
+        self._ahead.clear()
+        self._stash.clear()
         sock.close(linger=0)
         self._sock = None
         self.hello = None  # a restarted agent needs a new hello before anything else
