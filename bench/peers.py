@@ -28,6 +28,7 @@ from kvtier.agent.config import AgentConfig, scratch_peer_config
 from kvtier.agent.pool import PAGE
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.tiers.nixl_path import available
+from kvtier.agent.tiers.peer_wire import write_keys
 from kvtier.bench import netns
 
 MiB = 1 << 20
@@ -125,14 +126,22 @@ def raw_tcp_gbps(nbytes: int, chunk: int) -> float:
 def node(
     scratch: Path, name: str, row: int, slots: int, data_path: str, address: str
 ) -> AgentConfig:
+    """`data_path` "zmq-curve": the ZMQ path authenticated and encrypted with a CURVE key
+    pair, as every tier the operator makes runs it; "nixl" and "zmq" without keys."""
     bind = f"tcp://{address}:{PEER_PORT}" if address != "127.0.0.1" else "tcp://127.0.0.1:*"
+    peer: dict[str, Any] = {"timeoutSeconds": 5, "dataPath": data_path, "bind": bind}
+    if data_path == "zmq-curve":
+        keys = scratch / "curve"
+        if not keys.exists():
+            write_keys(keys)
+        peer.update(dataPath="zmq", curveKeyDir=str(keys))
     return scratch_peer_config(
         scratch,
         name,
         PAGE + slots * (row + PAGE),
         row,
         scratch / f"registry-{name.rsplit('-', 1)[0]}",
-        {"timeoutSeconds": 5, "dataPath": data_path, "bind": bind},
+        peer,
         tierBudgetSeconds=30,
     )
 
@@ -191,7 +200,7 @@ def measure(
 def measure_place(
     scratch: Path, place: Place, row: int, chunks: int, rounds: int, lookups: int
 ) -> dict[str, Any]:
-    paths = ["nixl", "zmq"] if available() else ["zmq"]
+    paths = ["nixl", "zmq", "zmq-curve"] if available() else ["zmq", "zmq-curve"]
     per_round: dict[str, list[float]] = {}
     ratios: dict[str, float] = {}
     raw: list[float] = []
@@ -202,7 +211,7 @@ def measure_place(
         per_round[path] = kv
         ratios[path] = statistics.median(k / t for k, t in zip(kv, tcp, strict=True))
         raw += tcp
-        reads[path] = int(stats.get(f"{path}_reads", 0))
+        reads[path] = int(stats.get(f"{path.removesuffix('-curve')}_reads", 0))
         if reads[path] != chunks * (rounds + 1):
             raise RuntimeError(f"{place.name}, {path}: {reads[path]} of the chunks took it")
         latencies += lookup
@@ -214,6 +223,9 @@ def measure_place(
         "nixl_gbps": gbps.get("nixl"),
         # medians of per-round ratios, each round against the TCP stream just before it
         "zmq_ratio_vs_tcp": ratios["zmq"],
+        # the same, authenticated and encrypted (CURVE), as the operator deploys every tier
+        "zmq_curve_gbps": gbps["zmq-curve"],
+        "zmq_curve_ratio_vs_tcp": ratios["zmq-curve"],
         "nixl_ratio_vs_tcp": ratios.get("nixl"),
         "chunks_read": reads,
         "rounds_gbps": {**per_round, "tcp": raw},

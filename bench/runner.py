@@ -148,6 +148,9 @@ def render_peers(result: dict[str, Any], console: Console) -> None:
         p99 = f"{r['lookup_p99_us_remote_1k']:.0f}"
         table.add_row(where, "raw TCP stream", f"{r['tcp_gbps']:.2f}", "1.00", "")
         table.add_row(where, "ZMQ", f"{r['zmq_gbps']:.2f}", f"{r['zmq_ratio_vs_tcp']:.2f}", p99)
+        if "zmq_curve_gbps" in r:
+            gbps, ratio = r["zmq_curve_gbps"], r["zmq_curve_ratio_vs_tcp"]
+            table.add_row(where, "ZMQ, CURVE", f"{gbps:.2f}", f"{ratio:.2f}", p99)
         if r["nixl_gbps"] is None:
             table.add_row(where, "NIXL", "n/a", "NIXL not installed", "")
         else:
@@ -159,8 +162,9 @@ def render_peers(result: dict[str, Any], console: Console) -> None:
         f"{result['chunks']} chunks of {format_bytes(result['row_bytes'])} loaded on another "
         f"node, {result['rounds']} rounds per path; ratios are medians of per-round ratios "
         "against the TCP stream run just before each round; namespaces: each agent in a "
-        "network namespace of its own (veth, UCX on TCP); lookup: 1k absent keys asking "
-        "their homes (both paths' runs)"
+        "network namespace of its own (veth, UCX on TCP); ZMQ, CURVE: the ZMQ path "
+        "authenticated and encrypted, as the operator deploys it; lookup: 1k absent keys "
+        "asking their homes (all paths' runs)"
     )
 
 
