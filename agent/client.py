@@ -51,7 +51,7 @@ from kvtier.agent.shm_index import TableReader, digest, digests, index_path
 
 _RID = struct.Struct("<Q")
 REPORT_SECONDS = 0.05  # lookups answered here reach the agent at most this late...
-REPORT_KEYS = 8192  # ...or once this many keys wait
+REPORT_KEYS = 65536  # ...or once this many keys wait
 
 
 class AgentUnavailable(ConnectionError):
@@ -128,11 +128,13 @@ class AgentClient:
         self.hello: p.HelloReply | None = None
         self._reports: dict[str, list[npt.NDArray[np.uint64]]] = {}
         self._reports_lock = threading.Lock()
+        self._reporter: threading.Thread | None = None
+        self._report_now = threading.Event()
+        self._closing = threading.Event()
         self._loaded_bytes = 0  # loaded without a lease since the last report
         self._ahead: set[bytes] = set()  # ids of requests sent ahead of their reply
         self._stash: dict[bytes, bytes] = {}  # their replies, come while awaiting others
         self._reported_keys = 0
-        self._report_due = 0.0
 
     # --- connection ----------------------------------------------------------------------
 
@@ -196,6 +198,13 @@ class AgentClient:
         self.index = fresh
 
     def close(self) -> None:
+        reporter = self._reporter
+        if reporter is not None:
+            self._closing.set()
+            self._report_now.set()
+            reporter.join(timeout=self.timeout)
+            self._reporter = None
+            self._closing.clear()
         self.flush_reports()
         if self.index is not None:
             self.index.close()
@@ -264,20 +273,30 @@ class AgentClient:
     def report(self, namespace: str, digests: npt.NDArray[np.uint64]) -> None:
         """Tell the agent that these keys (one request's, in order, as index digests) were
         looked up: it counts hits and misses, refreshes the hits' recency and logs the
-        request, as if it had answered the lookup itself. Reports wait to go together,
-        one way, at most REPORT_SECONDS or REPORT_KEYS keys (the plug-in flushes every
-        scheduler step)."""
+        request, as if it had answered the lookup itself. Reports go together, one way, from
+        a reporting thread at most REPORT_SECONDS later (at once past REPORT_KEYS keys, and
+        before any request that waits for the agent), so a lookup never pays for sending
+        them; the plug-in also flushes every scheduler step."""
         if not len(digests):
             return
-        now = time.monotonic()
         with self._reports_lock:
-            if not self._reports:
-                self._report_due = now + REPORT_SECONDS
             self._reports.setdefault(namespace, []).append(digests)
             self._reported_keys += len(digests)
-            due = self._reported_keys >= REPORT_KEYS or now >= self._report_due
+            due = self._reported_keys >= REPORT_KEYS
+            if self._reporter is None:
+                self._reporter = threading.Thread(
+                    target=self._report_loop, name="kvtier-report", daemon=True
+                )
+                self._reporter.start()
         if due:
-            self.flush_reports()
+            self._report_now.set()
+
+    def _report_loop(self) -> None:
+        while not self._closing.is_set():
+            self._report_now.wait(REPORT_SECONDS)
+            self._report_now.clear()
+            with contextlib.suppress(AgentUnavailable, zmq.ZMQError):
+                self.flush_reports()
 
     def flush_reports(self, block: bool = True) -> None:
         """Send the reports that wait, one message per namespace. With `block` false (on

@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 import msgspec
+import numpy as np
 import zmq
 
 import kvtier
@@ -274,10 +275,8 @@ class Agent:
                 for size in sizes:
                     part = digests[start : start + 8 * size]
                     start += len(part)
+                    hits = host.lookup_digests(namespace, np.frombuffer(part, "<u8").tolist())
                     ids = [part[i : i + 8] for i in range(0, len(part), 8)]
-                    hits = host.lookup_digests(
-                        namespace, [int.from_bytes(d, "little") for d in ids]
-                    )
                     self.access_log.record_request(namespace, ids, hits)
             case p.Allocate(namespace, keys, nbytes, parents):
                 if parents is not None:  # for the policy, before the store evicts anything

@@ -143,10 +143,14 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
     }
 
 
+PACE_SECONDS = 0.002  # between lookups (and round trips), as a scheduler's steps are apart
+
+
 def lookup_latency(batches: list[int], reps: dict[int, int]) -> dict[str, dict[str, float]]:
     """Latency of batched lookups as vLLM's scheduler makes them: answered in the client's
     process from the published index, half the keys held by the pool and half not (their
-    order shuffled), the report to the agent included."""
+    order shuffled), one every PACE_SECONDS; their reports reach the agent from the client's
+    reporting thread meanwhile."""
     biggest = max(batches)
     out: dict[str, dict[str, float]] = {}
     with bench_agent(PAGE, slots=biggest + 16) as config, AgentClient(config.endpoint) as client:
@@ -165,6 +169,7 @@ def lookup_latency(batches: list[int], reps: dict[int, int]) -> dict[str, dict[s
                     b"m%031d" % (rep * n + i) for i in range(n - n // 2)
                 ]
                 keys = [keys[i] for i in rng.permutation(n)]
+                time.sleep(PACE_SECONDS)
                 t = time.perf_counter()
                 result = client.lookup(NS, keys)
                 samples.append(time.perf_counter() - t)
@@ -207,6 +212,7 @@ def ipc_round_trip(reps: int) -> dict[str, float]:
         body = b"x" * 64
         samples = []
         for _ in range(reps + 20):
+            time.sleep(PACE_SECONDS)
             t = time.perf_counter()
             sock.send_multipart([b"rid00000", body])
             sock.recv_multipart()
