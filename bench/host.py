@@ -1,10 +1,11 @@
 """`kvtier bench host`: the client<->agent path against raw memcpy between two mappings.
 
-Store = allocate round trip + copy into pool slots + commit round trip (checksums are
-computed by the agent's sealer, concurrently). Load = begin-load round trip + copy out +
-end-load round trip. Lookups are answered by the client from the published index and
-compared with one bare ZMQ ipc round trip measured in the same run; the index's bytes per
-entry and batched lookups per second are measured on 2^20 entries. The baseline copies the
+Store = allocate round trip + copy into staging slots + commit round trip, in rounds that
+overlap the agent's copy into the pool (checksummed while hot) with the next round's staging.
+Load = a copy straight out of the read-only pool for chunks the published index names (no
+round trip). Lookups are answered by the client from the published index and compared with
+one bare ZMQ ipc round trip measured in the same run; the index's bytes per entry and batched
+lookups per second are measured on 2^20 entries. The baseline copies the
 same rows between two populated mappings with
 the same number of threads, and is measured in alternation with kvtier so both see the same
 machine state.
