@@ -54,6 +54,7 @@ from kvtier.agent.tiers.peer_wire import (
     Return,
     WhoHas,
     Withdraw,
+    context,
     decode_holders,
     decode_loan,
     decode_statuses,
@@ -139,7 +140,7 @@ class _Connection:
     def socket(self) -> zmq.Socket[bytes]:
         self.used = time.monotonic()
         if self._sock is None:
-            sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+            sock: zmq.Socket[bytes] = context().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             secure_client(sock, self._keys, self.server_key)
             sock.connect(self.endpoint)

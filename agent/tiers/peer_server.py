@@ -42,6 +42,7 @@ from kvtier.agent.tiers.peer_wire import (
     TrustedKeys,
     WhoHas,
     Withdraw,
+    context,
     decode,
     encode,
     load_keys,
@@ -69,7 +70,7 @@ class PeerServer:
         if config.data_path == "nixl" or (config.data_path == "auto" and available()):
             name = f"kvtier-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
             self.nixl = NixlPath(name, host.pool)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._ctx = context()
         self._auth: ThreadAuthenticator | None = None
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)

@@ -5,6 +5,7 @@ complete the handshake."""
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,3 +147,16 @@ class TrustedKeys:
             return True
         self.refused += 1
         return False
+
+
+_context: zmq.Context[zmq.Socket[bytes]] | None = None
+
+
+def context() -> zmq.Context[zmq.Socket[bytes]]:
+    """The peer tier's own ZMQ context, with an I/O thread per core (up to 4): CURVE
+    encrypts and decrypts in the I/O threads, so with one (the default) every peer
+    connection's bytes would go through a single core."""
+    global _context
+    if _context is None:
+        _context = zmq.Context(io_threads=max(1, min(4, os.cpu_count() or 1)))
+    return _context
