@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -370,3 +372,21 @@ def test_a_member_reads_over_nixl_only_the_slots_lent_to_it(
     ask(target, Return(loan.lease), keyed, wait=0.2)
     with AgentClient(holder.config.endpoint) as producer:
         wait_for(lambda: peer_stats(producer)["lent"] == 0)
+
+
+def test_the_peer_port_listens_on_the_pods_address_only(
+    make_config: Callable[..., AgentConfig], scratch: Path
+) -> None:
+    """Bound to all addresses (the operator's `tcp://0.0.0.0:PORT`) with POD_IP set, as in
+    a pod: the agent listens on that address alone, and advertises it."""
+    port = 5557 + os.getpid() % 1000
+    config = node_config(make_config, scratch, "pod", None, bind=f"tcp://0.0.0.0:{port}")
+    with AgentProcess(config, prefix=["env", "POD_IP=127.0.0.1"]) as agent:
+        assert agent.proc is not None
+        assert endpoint_of(scratch, "pod") == f"tcp://127.0.0.1:{port}"
+        listening = subprocess.run(
+            ["ss", "-Hltnp"], check=True, capture_output=True, text=True
+        ).stdout.splitlines()
+        mine = [line.split()[3] for line in listening if f"pid={agent.pid}," in line]
+        assert f"127.0.0.1:{port}" in mine
+        assert f"0.0.0.0:{port}" not in mine and f"*:{port}" not in mine
