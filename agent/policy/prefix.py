@@ -107,6 +107,9 @@ class PrefixPolicy(EvictionPolicy):
         self._density = [[(c // PACES + 1) / (1 << b) for b in range(AGES)] for c in range(CLASSES)]
         self._coarse = [[(u + 1) / (1 << b) for b in range(AGES)] for u in range(CLASSES // PACES)]
         self._order = [self._coarse[c // PACES] for c in range(CLASSES)]  # eviction's rows
+        # Each heap's top as last found valid (last access, chunk); None once anything may
+        # have changed it, so an eviction re-checks only the heaps that changed.
+        self._top: list[tuple[int, ChunkId] | None] = [None] * CLASSES
         self._until_refresh = REFRESH
         self._until_halve = HALVE
         self.refused = 0
@@ -140,6 +143,7 @@ class PrefixPolicy(EvictionPolicy):
             if held is not None:
                 self._parent[chunk] = parent
                 self._children[parent] = self._children.get(parent, 0) + 1
+                self._top[held[2]] = None
                 pace = held[3] if held[1] < HEAD_USES else 0  # its conversation's pace
         self._access(chunk, self._history.pop(chunk, None), pace)
 
@@ -224,6 +228,7 @@ class PrefixPolicy(EvictionPolicy):
             uses = 1
         else:
             last, uses, cls, pace = before
+            self._top[cls] = None
             if last >= 0:
                 gap = now - last
                 self._gaps[cls][gap.bit_length()] += 1
@@ -242,6 +247,7 @@ class PrefixPolicy(EvictionPolicy):
         self._seq += 1
         entry = (last, self._seq, chunk)
         heapq.heappush(self._heaps[cls], entry)
+        self._top[cls] = None
         if not self._seq % 1024 and sum(map(len, self._heaps)) > 3 * len(self._state) + 64:
             self._compact()
 
@@ -255,6 +261,7 @@ class PrefixPolicy(EvictionPolicy):
         for heap in heaps:
             heap.sort()
         self._heaps = heaps
+        self._top = [None] * CLASSES
 
     @staticmethod
     def _densities(gaps: list[float], entered: float, out: list[float]) -> None:
@@ -311,31 +318,43 @@ class PrefixPolicy(EvictionPolicy):
         Only the winner is asked whether it may go; a pinned one is set aside and the
         classes compared again (pins sit on recent chunks, rarely on a class's oldest)."""
         state, children, now = self._state, self._children, self.now
-        pinned: list[tuple[list[_Entry], _Entry]] = []
+        heaps, tops, rows = self._heaps, self._top, self._order
+        pinned: list[tuple[int, _Entry]] = []
         found: tuple[ChunkId, float] | None = None
         while True:
-            best: tuple[ChunkId, list[_Entry]] | None = None
+            best = -1
             best_key = (0.0, 0)
-            for heap, row in zip(self._heaps, self._order, strict=True):
-                while heap:
-                    last, _, chunk = heap[0]
-                    held = state.get(chunk)
-                    if held is None or held[0] != last or children.get(chunk):
-                        heapq.heappop(heap)  # superseded, gone, or no longer a leaf
+            for cls in range(CLASSES):
+                top = tops[cls]
+                if top is None:
+                    heap = heaps[cls]
+                    while heap:
+                        last, _, chunk = heap[0]
+                        held = state.get(chunk)
+                        if held is None or held[0] != last or children.get(chunk):
+                            heapq.heappop(heap)  # superseded, gone, or no longer a leaf
+                            continue
+                        top = tops[cls] = (last, chunk)
+                        break
+                    if top is None:
                         continue
-                    key = (row[(now - last).bit_length()], last)
-                    if best is None or key < best_key:
-                        best, best_key = (chunk, heap), key
-                    break
-            if best is None:
+                last = top[0]
+                key = (rows[cls][(now - last).bit_length()], last)
+                if best < 0 or key < best_key:
+                    best, best_key = cls, key
+            if best < 0:
                 break
-            chunk, heap = best
+            winner = tops[best]
+            assert winner is not None
+            chunk = winner[1]
             if evictable(chunk):
                 found = (chunk, best_key[0])
                 break
-            pinned.append((heap, heapq.heappop(heap)))
-        for heap, item in pinned:
-            heapq.heappush(heap, item)
+            pinned.append((best, heapq.heappop(heaps[best])))
+            tops[best] = None
+        for cls, item in pinned:
+            heapq.heappush(heaps[cls], item)
+            tops[cls] = None
         return found
 
     def _refuse(self, incoming: ChunkId | None) -> None:
@@ -362,6 +381,7 @@ class PrefixPolicy(EvictionPolicy):
 
     def _forget(self, chunk: ChunkId, remember: bool) -> None:
         held = self._state.pop(chunk)
+        self._top[held[2]] = None
         self._children.pop(chunk, None)
         parent = self._parent.pop(chunk, None)
         if parent is not None and parent in self._children:
