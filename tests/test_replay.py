@@ -138,7 +138,7 @@ def test_report_gap_closed(tmp_path: Path) -> None:
         assert row["arc_gap_closed"] == pytest.approx(
             (row["arc"] - row["lru"]) / (row["optimal"] - row["lru"])
         )
-    assert report["requests_per_s"] > 0
+    assert report["requests_per_s"] > 0 and report["wall_s"] > 0
 
 
 def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
