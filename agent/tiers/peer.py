@@ -278,6 +278,7 @@ class PeerTier(SecondaryTier):
         self._seeded = False
         self._announced_at = -float("inf")
         self._announced_to: list[str] = []  # the membership the last announcement used
+        self._retained_for: set[str] = set()  # the membership the directory was pruned to
         self._nixl_names: dict[str, str] = {}
         self._nixl_retry: dict[str, float] = {}  # endpoint -> when to try NIXL again
         self._counts: dict[str, int] = {}
@@ -674,7 +675,9 @@ class PeerTier(SecondaryTier):
         """Membership re-read; entries and connections of agents gone dropped, idle
         connections closed; evictions withdrawn; held chunks re-announced when due."""
         live = set(self.live_members())
-        self.server.directory.retain(live.__contains__)
+        if self._retained_for - live:  # someone left: a pass over the directory, only then
+            self.server.directory.retain(live.__contains__)
+        self._retained_for = live
         with self._lock:
             # gone, or serving with another key since (restarted during a key rotation)
             dropped = [
