@@ -11,7 +11,7 @@ Which leaf: the one with the least hit density (Beckmann & Sanchez, "LHD", NSDI'
 probability that a chunk is used again, given its class and how long ago it was last used
 (its age, on a log scale), divided by the time it is then expected to wait for that use. A
 chunk's class is how often it has been used (1, 2, 3-4, 5 or more times) and its pace: the
-gap between its last two uses (unknown, under 4,096 accesses, under 16,384, longer), or for
+gap between its last two uses (unknown, under 1,024 accesses, 4,096, 16,384, longer), or for
 a new chunk its parent's, which is its conversation's (a chat whose turns came quickly
 comes back sooner), unless the parent is a shared head (used five times or more: a system
 prompt's pace is no conversation's). The densities are learnt from the traffic itself:
@@ -21,7 +21,7 @@ chunk entering its new class; the table is rebuilt every 4,096 accesses from cou
 halve every 65,536, a class seen little drawn towards the density of all chunks (until the
 first rebuild, more uses and less age are worth more). Eviction compares the oldest leaf of
 each class by the density of its use count alone (ordering by pace as well did no better,
-and fell just below LRU on a multi-turn chat trace with a large pool); 16 candidates,
+and fell just below LRU on a multi-turn chat trace with a large pool); 20 candidates,
 O(log n) with one heap per class.
 
 Why: on the Mooncake conversation trace (512-token blocks) a chunk used once is used again
@@ -61,7 +61,7 @@ from kvtier.agent.policy.base import ChunkId, EvictionPolicy
 
 HISTORY_MIN = 65536
 USES = (0, 0, 1, 2, 2, 3, 3, 3, 3)  # use-count bucket by min(uses, 8): 1, 2, 3-4, 5+
-PACES = 4  # gap between the last two uses: unknown, under 2^12 accesses, 2^14, longer
+PACES = 5  # gap between the last two uses: unknown, under 2^10, 2^12, 2^14 accesses, longer
 CLASSES = 4 * PACES
 AGES = 64  # age buckets: bit length of the age in accesses
 REFRESH = 4096  # accesses between rebuilds of the density table
@@ -76,7 +76,7 @@ _State = tuple[int, int, int, int]  # (last access, uses, class, pace)
 
 
 def _pace(gap: int) -> int:
-    return 1 if gap < 1 << 12 else 2 if gap < 1 << 14 else 3
+    return 1 if gap < 1 << 10 else 2 if gap < 1 << 12 else 3 if gap < 1 << 14 else 4
 
 
 def _class(uses: int, pace: int) -> int:
