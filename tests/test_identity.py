@@ -99,8 +99,13 @@ def test_without_the_group_a_client_gets_a_clear_miss_and_the_agent_serves_on(
 def test_files_the_agent_makes_belong_to_the_tiers_group_only(tier_agent: AgentConfig) -> None:
     assert run_as(tier_agent.endpoint, 1000710000, [GROUP], tag=3)[0] == "intact"
     socket = Path(tier_agent.endpoint.removeprefix("ipc://"))
-    for path in (socket, tier_agent.pool_path):
+    pool = tier_agent.pool_path
+    staging = pool.with_name(pool.name + ".staging")
+    index = pool.with_name(pool.name + ".index")
+    # the group writes the socket and the staging area; the pool and its index it only
+    # reads (the agent alone writes them, so no pod can alter a sealed chunk)
+    for path, group in ((socket, 0o060), (staging, 0o060), (pool, 0o040), (index, 0o040)):
         info = path.stat()
         assert info.st_gid == GROUP, path
         assert info.st_mode & 0o007 == 0, (path, oct(info.st_mode))  # nothing for others
-        assert info.st_mode & 0o060 == 0o060, (path, oct(info.st_mode))  # the group reads/writes
+        assert info.st_mode & 0o060 == group, (path, oct(info.st_mode))
