@@ -5,10 +5,9 @@ overlap the agent's copy into the pool (checksummed while hot) with the next rou
 Load = a copy straight out of the read-only pool for chunks the published index names (no
 round trip). Lookups are answered by the client from the published index and compared with
 one bare ZMQ ipc round trip measured in the same run; the index's bytes per entry and batched
-lookups per second are measured on 2^20 entries. The baseline copies the
-same rows between two populated mappings with
-the same number of threads, and is measured in alternation with kvtier so both see the same
-machine state.
+lookups per second are measured on 2^20 entries. The baseline copies the same rows between
+two populated mappings with the same number of threads, and is measured in alternation with
+kvtier so both see the same machine state.
 """
 
 from __future__ import annotations
