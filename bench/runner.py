@@ -214,6 +214,7 @@ BENCHMARKS: dict[str, tuple[str, Render]] = {
 
 
 def run_benchmark(target: str, quick: bool, as_json: bool, out: Path | None) -> int:
+    render: Render
     if target == "vllm":
         result, render = run_vllm(quick), render_vllm
     else:
