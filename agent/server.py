@@ -37,7 +37,8 @@ from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import LeaseError
 from kvtier.agent.liveness import ClientRegistry
 from kvtier.agent.metrics import AgentMetrics
-from kvtier.agent.report import Reporter, make_registry
+from kvtier.agent.registry import make_registry
+from kvtier.agent.report import Reporter
 from kvtier.agent.runtime_checks import check_runtime
 from kvtier.agent.secondary import MISS, SecondaryTiers
 from kvtier.agent.shm_index import digest_ids

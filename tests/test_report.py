@@ -15,7 +15,8 @@ import pytest
 from kvtier import polling
 from kvtier.agent.config import ReportConfig
 from kvtier.agent.node_status import NodeStatus, build_report, read_node_status
-from kvtier.agent.report import FileRegistry, KubernetesRegistry, Reporter
+from kvtier.agent.registry import FileRegistry, KubernetesRegistry
+from kvtier.agent.report import Reporter
 from tests.kube_api import KubeAPI
 
 STATS: dict[str, Any] = {

@@ -26,7 +26,7 @@ import msgspec
 
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.config import PeerTierConfig
-from kvtier.agent.report import Registry
+from kvtier.agent.registry import Registry
 from kvtier.agent.tiers.base import CorruptChunk, SecondaryTier, TierUsage
 from kvtier.agent.tiers.peer_connection import Connection, Connections, call_all
 from kvtier.agent.tiers.peer_directory import homes

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 
-from kvtier.agent.report import Member, Registry
+from kvtier.agent.registry import Member, Registry
 from kvtier.agent.tiers.peer_wire import KeyRing
 
 

@@ -221,9 +221,7 @@ class Reader:
             try:
                 if reads:
                     self.server.nixl.load_sections(loan.sections)
-                moved = not reads or self.server.nixl.read(
-                    remote, reads, self._timeout
-                )
+                moved = not reads or self.server.nixl.read(remote, reads, self._timeout)
             except Exception as exc:  # NIXL refused the transfer (its backend lost the peer)
                 log.warning("NIXL transfer from %s failed: %s", holder, exc)
                 moved = False
