@@ -52,6 +52,7 @@ from kvtier.agent.shm_index import TableReader, digest, digests, index_path
 _RID = struct.Struct("<Q")
 REPORT_SECONDS = 0.05  # lookups answered here reach the agent at most this late...
 REPORT_KEYS = 65536  # ...or once this many keys wait
+ALIVE_SECONDS = 0.01  # per-key lookups test the agent's liveness at most this often
 
 
 class AgentUnavailable(ConnectionError):
@@ -266,7 +267,7 @@ class AgentClient:
         ask (not connected yet, the agent gone or restarted), and only the agent can say.
         Not reported: see `report`."""
         index = self.index
-        if index is None or index.retired or not index.alive():
+        if index is None or index.retired or not index.alive_within(ALIVE_SECONDS):
             return None
         return index.find_one(digest(namespace, key))[0] >= 0
 

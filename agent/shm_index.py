@@ -49,6 +49,7 @@ import hashlib
 import mmap
 import os
 import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -386,6 +387,8 @@ class TableReader:
     def __init__(self, path: Path) -> None:
         self._map = _Mapped(path, writable=False)
         self._fd = os.open(path, os.O_RDONLY)
+        self._alive = True
+        self._alive_at = -1e9
         self.path = path
         self.boot = self._map.boot
         self.capacity = self._map.capacity
@@ -405,6 +408,15 @@ class TableReader:
     @property
     def retired(self) -> bool:
         return bool(self._words[RETIRED_OFFSET // 8])
+
+    def alive_within(self, seconds: float) -> bool:
+        """`alive`, tested at most once per `seconds` (a per-key caller asks thousands of
+        times a step; a dead agent is noticed that much later)."""
+        now = time.monotonic()
+        if now - self._alive_at > seconds:
+            self._alive = self.alive()
+            self._alive_at = now
+        return self._alive
 
     def alive(self) -> bool:
         """Whether the agent that writes this table still runs (it holds its flock)."""
