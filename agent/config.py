@@ -258,6 +258,15 @@ class ReportConfig(_Model):
         return self
 
 
+class AccessLogConfig(_Model):
+    """The bounded log of hashed lookups that `kvtier trace` exports."""
+
+    max_keys: int = Field(default=1 << 20, ge=1, le=1 << 24, description="Keys the log holds.")
+    sample_rate: float = Field(
+        default=1.0, gt=0, le=1, description="Share of requests logged whole."
+    )
+
+
 class MetricsConfig(_Model):
     enabled: bool = True
     host: str = "0.0.0.0"
@@ -291,6 +300,7 @@ class AgentConfig(_Model):
     reap_interval_seconds: float = Field(default=1.0, gt=0)
     metrics: MetricsConfig = MetricsConfig()
     report: ReportConfig = ReportConfig()
+    access_log: AccessLogConfig = AccessLogConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @model_validator(mode="after")

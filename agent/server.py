@@ -102,7 +102,9 @@ class Agent:
             else None
         )
         self.clients = ClientRegistry(config.run_dir / "clients")
-        self.access_log = AccessLog()  # what `kvtier trace` exports
+        self.access_log = AccessLog(  # what `kvtier trace` exports
+            config.access_log.max_keys, config.access_log.sample_rate
+        )
         self._sessions: dict[bytes, str] = {}  # connection identity -> client id
         self.stopping = threading.Event()
         self.metrics_port: int | None = None

@@ -163,6 +163,7 @@ def build_agent_config(tier: Manifest, settings: OperatorSettings) -> AgentConfi
             },
             "tiers": tiers,
             "metrics": {"port": agent.get("metricsPort", 9400)},
+            "accessLog": agent.get("accessLog", {}),
             # Each agent writes its own KVCacheNode, which the operator aggregates.
             "report": {
                 "target": "kubernetes",

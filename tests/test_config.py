@@ -136,3 +136,11 @@ def test_agent_refuses_bad_config_at_start(scratch: Path) -> None:
     assert proc.returncode == 2
     assert "host.capacity must be positive" in proc.stderr
     assert not (scratch / "pool").exists()
+
+
+def test_access_log_size_and_sampling_are_checked(scratch: Path) -> None:
+    data = config_data(scratch)
+    config = parse_config({**data, "accessLog": {"maxKeys": 4096, "sampleRate": 0.25}})
+    assert (config.access_log.max_keys, config.access_log.sample_rate) == (4096, 0.25)
+    message = refuse({**data, "accessLog": {"sampleRate": 0}})
+    assert "accessLog.sampleRate" in message

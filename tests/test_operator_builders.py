@@ -123,6 +123,18 @@ def test_role_is_least_privilege() -> None:
         assert "delete" not in rule["verbs"]
 
 
+def test_access_log_settings_reach_the_agent() -> None:
+    assert build_agent_config(tier(), SETTINGS).access_log.max_keys == 1 << 20  # CRD default
+    resource = copy.deepcopy(RESOURCE)
+    resource["spec"]["agent"] = {"accessLog": {"maxKeys": 5000, "sampleRate": 0.5}}
+    stored, errors = admit(load_crd("kvcachetier.yaml"), resource)
+    assert errors == []
+    config = build_agent_config(stored, SETTINGS)
+    assert (config.access_log.max_keys, config.access_log.sample_rate) == (5000, 0.5)
+    resource["spec"]["agent"]["accessLog"]["sampleRate"] = 0
+    assert any("sampleRate" in e for e in admit(load_crd("kvcachetier.yaml"), resource)[1])
+
+
 def test_bad_config_the_schema_cannot_catch_names_the_field() -> None:
     resource = tier()
     resource["spec"]["host"] = {"capacity": "1Mi", "chunkSize": "2Mi"}
