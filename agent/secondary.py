@@ -28,14 +28,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.config import TierConfig
 from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import Entry
 from kvtier.agent.metrics import AgentMetrics
-from kvtier.agent.tiers import CorruptChunk, SecondaryTier, build_tier
+from kvtier.agent.tiers import CorruptChunk, SecondaryTier, TierContext, build_tier
+
+if TYPE_CHECKING:
+    from kvtier.agent.tiers.peer import PeerTier
 
 log = logging.getLogger("kvtier.agent.secondary")
 
@@ -81,20 +84,16 @@ class SecondaryTiers:
         host: HostTier,
         metrics: AgentMetrics,
         budget_seconds: float,
+        context: TierContext,
         maintain_seconds: float = 1.0,
-        prebuilt: dict[str, SecondaryTier] | None = None,
     ) -> None:
-        """`prebuilt` holds tiers built by the agent itself (the peer tier, which needs the
-        agent's registry and peer server), by name."""
         self.host = host
         self.metrics = metrics
         self.budget = budget_seconds
         self._pins = 0  # pool slots pinned by queued or running write-backs (host lock)
         self._max_pins = max(1, host.geometry.slot_count // 2)
-        prebuilt = prebuilt or {}
         self.tiers = [
-            _Tier(c, prebuilt.get(c.name) or build_tier(c), queue.Queue(maxsize=c.queue_depth))
-            for c in configs
+            _Tier(c, build_tier(c, context), queue.Queue(maxsize=c.queue_depth)) for c in configs
         ]
         self._io = ThreadPoolExecutor(32, thread_name_prefix="kvtier-tier-io")
         self._stop = threading.Event()
@@ -119,6 +118,12 @@ class SecondaryTiers:
             self._bind_gauges(t)
         host.on_sealed = self._on_sealed
         host.on_hits = self._on_hits
+
+    def peer(self) -> PeerTier | None:
+        """The peer tier, which also answers the agent's `kvtier_source` requests."""
+        from kvtier.agent.tiers.peer import PeerTier
+
+        return next((t.backend for t in self.tiers if isinstance(t.backend, PeerTier)), None)
 
     @property
     def names(self) -> list[str]:

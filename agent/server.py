@@ -42,9 +42,7 @@ from kvtier.agent.report import Reporter
 from kvtier.agent.runtime_checks import check_runtime
 from kvtier.agent.secondary import MISS, SecondaryTiers
 from kvtier.agent.shm_index import digest_ids
-from kvtier.agent.tiers import SecondaryTier
-from kvtier.agent.tiers.peer import PeerTier
-from kvtier.agent.tiers.peer_server import PeerServer
+from kvtier.agent.tiers import TierContext
 
 log = logging.getLogger("kvtier.agent")
 
@@ -66,41 +64,20 @@ class Agent:
             config.host, config.pool_path, self.metrics, config.lease_timeout_seconds, self.boot
         )
         self.registry = make_registry(config.report)
-        self.peer_server: PeerServer | None = None
-        self.peer_tier: PeerTier | None = None
-        prebuilt: dict[str, SecondaryTier] = {}
-        for tier in config.tiers:
-            if tier.peer is not None:
-                assert self.registry is not None  # the config model requires a report target
-                self.peer_server = PeerServer(tier.peer, self.host)
-                # Only the control endpoint is published: NIXL metadata goes to members
-                # over the authenticated channel, never into a resource.
-                self.registry.endpoint = self.peer_server.endpoint
-                self.registry.curve_key = self.peer_server.curve_key
-                self.peer_tier = PeerTier(
-                    tier.name,
-                    tier.peer,
-                    self.registry,
-                    self.peer_server,
-                    # three missed heartbeats, and never under the floor (30 s): heartbeats
-                    # are stamped by other nodes' clocks, in whole seconds
-                    stale_after=max(
-                        tier.peer.stale_floor_seconds, 3 * config.report.interval_seconds
-                    ),
-                )
-                prebuilt[tier.name] = self.peer_tier
+        context = TierContext(self.host, self.registry, config.report.interval_seconds)
         self.tiers = (
             SecondaryTiers(
                 config.tiers,
                 self.host,
                 self.metrics,
                 config.tier_budget_seconds,
+                context,
                 config.reap_interval_seconds,
-                prebuilt,
             )
             if config.tiers
             else None
         )
+        self.peer_tier = self.tiers.peer() if self.tiers is not None else None
         self.clients = ClientRegistry(config.run_dir / "clients")
         self.access_log = AccessLog(  # what `kvtier trace` exports
             config.access_log.max_keys, config.access_log.sample_rate
@@ -188,8 +165,6 @@ class Agent:
         self.config.socket_path.unlink(missing_ok=True)
         if self.tiers is not None:
             self.tiers.close()
-        if self.peer_server is not None:
-            self.peer_server.close()
         self.host.close()
         log.info("agent stopped")
 

@@ -1,22 +1,44 @@
-"""Secondary tiers behind the host pool, one module per backend."""
+"""Secondary tiers behind the host pool, one module per backend, built by `build_tier`."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.agent.config import TierConfig
 from kvtier.agent.tiers.base import CorruptChunk, SecondaryTier, TierUsage
 
+if TYPE_CHECKING:
+    from kvtier.agent.host_tier import HostTier
+    from kvtier.agent.registry import Registry
 
-def build_tier(config: TierConfig) -> SecondaryTier:
-    """Construct the backend a tier entry names (imports boto3 only when S3 is used)."""
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier that works with other agents needs of this one: the pool it lends from,
+    the registry its members are listed in, and how often reports are published (which
+    sets when a silent member counts as gone)."""
+
+    host: HostTier
+    registry: Registry | None
+    report_interval: float
+
+
+def build_tier(config: TierConfig, context: TierContext) -> SecondaryTier:
+    """Construct the backend a tier entry names; each backend's module (boto3, ZMQ and NIXL
+    for peers) is imported only when a tier uses it."""
     if config.filesystem is not None:
         from kvtier.agent.tiers.filesystem import FilesystemTier
 
         return FilesystemTier(config.name, config.filesystem)
-    if config.object_store is None:
-        raise ValueError(f"tier {config.name}: a peer tier is built by the agent")
-    from kvtier.agent.tiers.objectstore import ObjectStoreTier
+    if config.object_store is not None:
+        from kvtier.agent.tiers.objectstore import ObjectStoreTier
 
-    return ObjectStoreTier(config.name, config.object_store)
+        return ObjectStoreTier(config.name, config.object_store)
+    assert config.peer is not None  # the config model requires exactly one kind
+    from kvtier.agent.tiers.peer import build_peer_tier
+
+    return build_peer_tier(config.name, config.peer, context)
 
 
-__all__ = ["CorruptChunk", "SecondaryTier", "TierUsage", "build_tier"]
+__all__ = ["CorruptChunk", "SecondaryTier", "TierContext", "TierUsage", "build_tier"]

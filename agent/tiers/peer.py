@@ -27,6 +27,7 @@ import msgspec
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.config import PeerTierConfig
 from kvtier.agent.registry import Registry
+from kvtier.agent.tiers import TierContext
 from kvtier.agent.tiers.base import CorruptChunk, SecondaryTier, TierUsage
 from kvtier.agent.tiers.peer_connection import Connection, Connections, call_all
 from kvtier.agent.tiers.peer_directory import homes
@@ -293,3 +294,19 @@ class PeerTier(SecondaryTier):
     def close(self) -> None:
         self._reader.close()
         self._connections.close()
+        self.server.close()
+
+
+def build_peer_tier(name: str, config: PeerTierConfig, context: TierContext) -> PeerTier:
+    """The peer tier with the server that answers other agents from this agent's pool; only
+    its control endpoint and CURVE key are published (NIXL metadata goes to members over the
+    authenticated channel, never into a resource)."""
+    registry = context.registry
+    assert registry is not None  # the config model requires a report target for peers
+    server = PeerServer(config, context.host)
+    registry.endpoint = server.endpoint
+    registry.curve_key = server.curve_key
+    # three missed heartbeats, and never under the floor: heartbeats are stamped by other
+    # nodes' clocks, in whole seconds
+    stale_after = max(config.stale_floor_seconds, 3 * context.report_interval)
+    return PeerTier(name, config, registry, server, stale_after)
