@@ -55,9 +55,10 @@ COPY_BLOCK = 256 << 10  # copied then hashed while in cache
 
 
 def staging_slots(slot_count: int, payload_bytes: int) -> int:
-    """Slots of the staging area: STAGING_BYTES, at least two and at most an eighth of the
-    pool (a small pool's stores are small)."""
-    return max(2, min(max(1, slot_count // 8), STAGING_BYTES // payload_bytes))
+    """Slots of the staging area: STAGING_BYTES, at least two and at most half the pool (a
+    small pool's stores are small); a store round stages at most half of them, and each
+    round costs two round trips, so fewer would slow stores of many chunks."""
+    return max(2, min(max(1, slot_count // 2), STAGING_BYTES // payload_bytes))
 
 
 class HostTier:
