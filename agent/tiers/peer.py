@@ -125,6 +125,13 @@ class PeerTier(SecondaryTier):
         with self._lock:
             held = {namespace: list(keys) for namespace, keys in self._held.items() if keys}
         for namespace, keys in held.items():
+            # only what the pool still holds: a chunk dropped without an eviction event (found
+            # damaged) must not be announced again
+            gone = set(self.server.host.missing(namespace, keys))
+            if gone:
+                with self._lock:
+                    self._held[namespace].difference_update(gone)
+                held[namespace] = keys = [key for key in keys if key not in gone]
             self._tell_homes(namespace, keys, Announce)
         self._count("reannounced", sum(len(keys) for keys in held.values()))
 

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.tiers.base import CorruptChunk, check_blob, check_payload
-from kvtier.agent.tiers.peer_connection import Connections
+from kvtier.agent.tiers.peer_connection import Connection, Connections
 from kvtier.agent.tiers.peer_server import PeerServer
 from kvtier.agent.tiers.peer_wire import (
     ABSENT,
@@ -142,29 +142,32 @@ class Reader:
         return [read.error or read.header for read in reads]
 
     def _read_batch(self, namespace: str, holder: str, batch: list[Read]) -> None:
-        """NIXL first where both sides have it; ZMQ for what it did not settle."""
+        """NIXL first where both sides have it; ZMQ for what it did not settle. One
+        connection carries the batch's requests, its loan's return and the damage report, so
+        the holder sees them in that order (a chunk still lent cannot be dropped)."""
         remote = self.nixl_agent(holder)
+        connection = self._connections.to(holder)
         try:
             if remote:
                 try:
-                    self._read_nixl(holder, remote, namespace, batch)
+                    self._read_nixl(connection, remote, namespace, batch)
                 except _NixlFailed:
                     self._count("nixl_failures", 1)
                     self.forget_nixl(holder)  # connect afresh next time
             unsettled = [r for r in batch if not r.resolved]
             if unsettled:
-                self._read_zmq(holder, namespace, unsettled)
+                self._read_zmq(connection, namespace, unsettled)
         finally:
-            self._report_damaged(holder, namespace, batch)
+            self._report_damaged(connection, namespace, batch)
 
-    def _report_damaged(self, holder: str, namespace: str, batch: list[Read]) -> None:
+    def _report_damaged(self, connection: Connection, namespace: str, batch: list[Read]) -> None:
         """Chunks that arrived failing their checksums: not asked of this holder again, and
         the holder told, so it checks its copies and stops serving bad ones."""
         damaged = [r.key for r in batch if r.error is not None]
         if damaged:
             for key in damaged:
                 self._holders.forget(namespace, key)
-            self._connections.to(holder).send(Damaged(namespace, damaged))
+            connection.send(Damaged(namespace, damaged))
 
     def nixl_agent(self, endpoint: str) -> str:
         """The holder's NIXL agent name ("" when either side has no NIXL or it cannot be
@@ -193,10 +196,12 @@ class Reader:
             self._nixl_names[endpoint] = known
         return known
 
-    def _read_nixl(self, holder: str, remote: str, namespace: str, batch: list[Read]) -> None:
+    def _read_nixl(
+        self, connection: Connection, remote: str, namespace: str, batch: list[Read]
+    ) -> None:
         """The batch's chunks READ from the holder's lent slots in one NIXL transfer."""
         assert self.server.nixl is not None
-        connection = self._connections.to(holder)
+        holder = connection.endpoint
         reply = connection.call(Lend(namespace, [r.key for r in batch]))
         if reply is None:
             self._resolve(namespace, batch, [ABSENT] * len(batch))
@@ -234,9 +239,9 @@ class Reader:
             read.verify(header)
         self._count("nixl_reads", sum(read.header is not None for read, _, _ in moving))
 
-    def _read_zmq(self, holder: str, namespace: str, batch: list[Read]) -> None:
+    def _read_zmq(self, connection: Connection, namespace: str, batch: list[Read]) -> None:
         fetch = Fetch(namespace, [r.key for r in batch])
-        reply = self._connections.to(holder).fetch_into(fetch, [r.out for r in batch])
+        reply = connection.fetch_into(fetch, [r.out for r in batch])
         statuses, pages = reply if reply else ([ABSENT] * len(batch), [])
         arrived = iter(pages)
         sent = 0
