@@ -36,6 +36,7 @@ import xxhash
 
 from kvtier.agent.chunk import ChunkHeader, SlotState, checksum
 from kvtier.agent.config import HostTierConfig
+from kvtier.agent.events import EventBatch
 from kvtier.agent.index import BUSY, EXISTS, FULL, STAGING, Entry, HostIndex
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
@@ -85,20 +86,20 @@ class HostTier:
         # Clients read it to answer lookups themselves; a fresh one per agent process (the
         # one it replaces is marked retired, so its readers reconnect).
         self.table = TableWriter(index_path(pool_path), geometry.slot_count, boot)
-        self.index = HostIndex(
+        self._index = HostIndex(
             geometry.slot_count,
             make_policy(config.policy, geometry.slot_count),
             boot,
             rest_seconds=lease_seconds,
             table=self.table,
         )
-        self.lock = threading.Lock()
+        self._lock = threading.Lock()
         self._promoting = 0  # slots reserved by promotions in flight (lock held)
         self._max_promoting = max(1, geometry.slot_count // 4)
         # Called with the lock held: after a chunk is sealed, and with the entries that
         # lookups hit. The secondary tiers use them to queue write-backs.
-        self.on_sealed: Callable[[Entry], None] | None = None
-        self.on_hits: Callable[[list[Entry]], None] | None = None
+        self._on_sealed: Callable[[Entry], None] | None = None
+        self._on_hits: Callable[[list[Entry]], None] | None = None
         self.corrupt = 0
         self._looked_up = self._found = 0
         if reused:
@@ -117,11 +118,58 @@ class HostTier:
     def geometry(self) -> PoolGeometry:
         return self.pool.geometry
 
+    # --- the interface the agent's other parts use (no other module takes the lock or
+    # reads the index; tests/test_architecture.py checks it) ------------------------------
+
+    def subscribe(
+        self, on_sealed: Callable[[Entry], None], on_hits: Callable[[list[Entry]], None]
+    ) -> None:
+        """Called with the tier's lock held: after a chunk is sealed, and with the entries
+        lookups hit. The secondary tiers use them to queue write-backs, pinning what they
+        queue with `pin_locked`."""
+        self._on_sealed, self._on_hits = on_sealed, on_hits
+
+    def pin_locked(self, entry: Entry) -> None:
+        """Keep `entry`'s slot from reuse; only from a `subscribe` callback (lock held)."""
+        self._index.pin(entry)
+
+    def unpin(self, entry: Entry) -> None:
+        with self._lock:
+            self._index.unpin(entry)
+
+    def note_parents(self, namespace: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+        """Each key's predecessor in its request, for the prefix policy (before a store)."""
+        with self._lock:
+            self._index.note_parents(namespace, keys, parents)
+
+    def events_since(self, namespace: str, after: int) -> EventBatch:
+        """Chunks stored and evicted in `namespace` since event `after`."""
+        with self._lock:
+            return self._index.events.since(namespace, after)
+
+    def held(self) -> dict[str, set[bytes]]:
+        """Every sealed chunk's key, by namespace (a restarted agent's warm pool)."""
+        with self._lock:
+            return self._index.ready_keys()
+
+    def sealed_headers(
+        self, namespace: str, keys: list[bytes], slots: list[int]
+    ) -> list[ChunkHeader | None]:
+        """The headers of the sealed chunks a load leased (slot >= 0); None for the others."""
+        with self._lock:
+            entries = [
+                self._index.get(namespace, key) if slot >= 0 else None
+                for key, slot in zip(keys, slots, strict=True)
+            ]
+            return [
+                e.header() if e is not None and e.checksum is not None else None for e in entries
+            ]
+
     # --- requests (called by the server loop) ----------------------------------------------
 
     def lookup(self, namespace: str, keys: list[bytes]) -> tuple[list[bool], int]:
-        with self.lock:
-            hits, prefix = self.index.lookup(namespace, keys)
+        with self._lock:
+            hits, prefix = self._index.lookup(namespace, keys)
         self._looked_up += len(keys)
         self._found += sum(hits)
         return hits, prefix
@@ -129,13 +177,13 @@ class HostTier:
     def lookup_digests(self, namespace: str, digests: list[int]) -> list[bool]:
         """Lookups a client answered from the published index, by digest: counted, and
         the hits' recency refreshed, as if answered here."""
-        with self.lock:
-            hits = self.index.lookup_digests(namespace, digests)
+        with self._lock:
+            hits = self._index.lookup_digests(namespace, digests)
             # now, not after the reply: a report carries several requests, and each must
             # reach the policy and the write-back admission as a lookup of its own
-            touched = self.index.take_touched()
-            if touched and self.on_hits is not None:
-                self.on_hits(touched)
+            touched = self._index.take_touched()
+            if touched and self._on_hits is not None:
+                self._on_hits(touched)
         self._looked_up += len(digests)
         self._found += sum(hits)
         return hits
@@ -148,10 +196,10 @@ class HostTier:
     def after_reply(self) -> None:
         """Bookkeeping that need not delay an answer: the policy's view of recent hits and
         the lookup counters. The server calls it after each reply, before the next request."""
-        with self.lock:
-            touched = self.index.take_touched()
-            if touched and self.on_hits is not None:
-                self.on_hits(touched)
+        with self._lock:
+            touched = self._index.take_touched()
+            if touched and self._on_hits is not None:
+                self._on_hits(touched)
         if self._looked_up:
             self.metrics.lookups.inc(self._looked_up)
             self._hits.inc(self._found)
@@ -171,24 +219,24 @@ class HostTier:
             )
         n = len(keys)
         slots, generations, staging = [STAGING] * n, [0] * n, [-1] * n
-        with self.lock:
+        with self._lock:
             budget = len(self._staging_free)
             chosen = []
             for i, key in enumerate(keys):
-                if self.index.get(namespace, key) is None:
+                if self._index.get(namespace, key) is None:
                     if not budget:
                         continue
                     budget -= 1
                 chosen.append(i)
-            evictions = self.index.counters.evictions
-            lease, got, gens = self.index.allocate(
+            evictions = self._index.counters.evictions
+            lease, got, gens = self._index.allocate(
                 client,
                 namespace,
                 [keys[i] for i in chosen],
                 nbytes,
                 time.monotonic() + self.lease_seconds,
             )
-            evicted = self.index.counters.evictions - evictions
+            evicted = self._index.counters.evictions - evictions
             staged: dict[int, int] = {}
             for i, slot, generation in zip(chosen, got, gens, strict=True):
                 slots[i], generations[i] = slot, generation
@@ -209,8 +257,8 @@ class HostTier:
         while it is hot, then seal and publish them: once this returns every client finds
         them, and no client can alter them. A slot whose header or generation is not the
         one its allocation wrote is dropped and counted, never published."""
-        with self.lock:
-            entries = self.index.begin_commit(lease, client)
+        with self._lock:
+            entries = self._index.begin_commit(lease, client)
             staged = self._staged.get(lease, {})
         try:
             work = [(e.slot, staged[e.slot], e.length) for e in entries]
@@ -218,8 +266,8 @@ class HostTier:
             for slot, digest in self._copiers.map(lambda w: (w[0], self._copy_in(*w)), work):
                 digests[slot] = digest
         except BaseException:
-            with self.lock:
-                self.index.abort(lease, client)
+            with self._lock:
+                self._index.abort(lease, client)
                 self._free_staging(lease)
             raise
 
@@ -234,9 +282,9 @@ class HostTier:
             self._count_corrupt(f"slot {entry.slot} was overwritten during its store")
             return False
 
-        with self.lock:
+        with self._lock:
             self._free_staging(lease)
-            kept = self.index.commit(lease, client, claimed)
+            kept = self._index.commit(lease, client, claimed)
             for entry in kept:
                 self._seal(entry, digests[entry.slot])
         self._store_bytes.inc(sum(e.length for e in kept))
@@ -264,8 +312,8 @@ class HostTier:
                 self._staging_resting.append((rest_until, staged))
 
     def abort(self, lease: int, client: str) -> None:
-        with self.lock:
-            self.index.abort(lease, client)
+        with self._lock:
+            self._index.abort(lease, client)
             self._free_staging(lease)
 
     def begin_load(
@@ -275,9 +323,9 @@ class HostTier:
         the pool read-only, so a sealed chunk's bytes are the ones its checksum was made of
         (see the module's docstring)."""
         deadline = time.monotonic() + self.lease_seconds
-        with self.lock:
-            lease, slots, generations = self.index.begin_load(client, namespace, keys, deadline)
-            nbytes = self.index.lease_bytes(lease)
+        with self._lock:
+            lease, slots, generations = self._index.begin_load(client, namespace, keys, deadline)
+            nbytes = self._index.lease_bytes(lease)
         self._load_bytes.inc(nbytes)
         return lease, slots, generations
 
@@ -286,14 +334,14 @@ class HostTier:
         return [i for i, e in chunks if checksum(self.payload(e)) != e.checksum]
 
     def end_load(self, lease: int, client: str) -> None:
-        with self.lock:
-            self.index.end_load(lease, client)
+        with self._lock:
+            self._index.end_load(lease, client)
 
     def reclaim(self, now: float, dead_clients: list[str]) -> int:
         """Release expired leases and those of dead clients; returns how many."""
-        with self.lock:
-            expired = self.index.expire(now)
-            reclaimed = [lease for c in dead_clients for lease in self.index.release_client(c)]
+        with self._lock:
+            expired = self._index.expire(now)
+            reclaimed = [lease for c in dead_clients for lease in self._index.release_client(c)]
             for gone in (*expired, *reclaimed):
                 self._free_staging(gone.id, now + self.lease_seconds)
             if self._staging_resting:
@@ -308,20 +356,20 @@ class HostTier:
         return len(expired) + len(reclaimed)
 
     def stats(self) -> dict[str, Any]:
-        with self.lock:
-            c = self.index.counters
+        with self._lock:
+            c = self._index.counters
             return {
                 "capacity_bytes": self.geometry.slot_count * self.geometry.payload_bytes,
-                "used_bytes": self.index.chunks * self.geometry.payload_bytes,
+                "used_bytes": self._index.chunks * self.geometry.payload_bytes,
                 "slot_bytes": self.geometry.payload_bytes,
                 "slots": self.geometry.slot_count,
-                "free_slots": self.index.free_slots,
-                "resting_slots": self.index.resting_slots,
+                "free_slots": self._index.free_slots,
+                "resting_slots": self._index.resting_slots,
                 "staging_slots": self.staging.geometry.slot_count,
                 "free_staging_slots": len(self._staging_free),
-                "chunks": self.index.chunks,
-                "leases": self.index.leases,
-                "pinned_slots": self.index.pinned_slots(),
+                "chunks": self._index.chunks,
+                "leases": self._index.leases,
+                "pinned_slots": self._index.pinned_slots(),
                 "lookups": c.lookups,
                 "hits": c.hits,
                 "evictions": c.evictions,
@@ -332,13 +380,13 @@ class HostTier:
                 "index_published": self.table.entries,
                 "index_collisions": self.table.collisions,
                 "namespaces": dict(c.namespaces),
-                **self.index.policy.describe(),
+                **self._index.policy.describe(),
             }
 
     def close(self) -> None:
         self._copiers.shutdown(wait=True)
-        with self.lock:
-            self.index.table = None
+        with self._lock:
+            self._index.table = None
             self.table.close()
         self.staging.close()
         self.pool.close()
@@ -365,8 +413,8 @@ class HostTier:
         """Write the SEALED header and hand the chunk to the write-back hook (lock held)."""
         entry.checksum = digest
         self._write_header(entry.slot, entry.header())
-        if self.on_sealed is not None:
-            self.on_sealed(entry)
+        if self._on_sealed is not None:
+            self._on_sealed(entry)
 
     # --- hooks for the secondary tiers ----------------------------------------------------
 
@@ -377,8 +425,8 @@ class HostTier:
     def reverify(self, namespace: str, keys: list[bytes]) -> int:
         """Check these chunks against their checksums again (a peer received one damaged)
         and drop those that fail, so no client is served them; returns how many went."""
-        with self.lock:
-            held = [self.index.get(namespace, key) for key in keys]
+        with self._lock:
+            held = [self._index.get(namespace, key) for key in keys]
             sealed = [
                 (i, e) for i, e in enumerate(held) if e is not None and e.checksum is not None
             ]
@@ -387,13 +435,13 @@ class HostTier:
             ]
             for entry in damaged:
                 assert entry is not None
-                self.index.remove(entry)
+                self._index.remove(entry)
                 self._count_corrupt(f"slot {entry.slot} of {namespace}: a peer received it damaged")
         return len(damaged)
 
     def missing(self, namespace: str, keys: list[bytes]) -> list[bytes]:
-        with self.lock:
-            return self.index.missing(namespace, keys)
+        with self._lock:
+            return self._index.missing(namespace, keys)
 
     def promote(
         self,
@@ -410,11 +458,11 @@ class HostTier:
         # No expiry: `fill` may write into the slots until it returns, however long a tier
         # takes, so they must not go to another chunk before that; the share cap bounds them.
         deadline = math.inf
-        with self.lock:
+        with self._lock:
             for i, key in enumerate(keys):
                 if self._promoting >= self._max_promoting:
                     break
-                lease, slots, generations = self.index.allocate(
+                lease, slots, generations = self._index.allocate(
                     PROMOTER, namespace, [key], self.geometry.payload_bytes, deadline
                 )
                 if slots[0] >= 0:
@@ -432,13 +480,13 @@ class HostTier:
                 [self.pool.payload(slot).data for _, _, slot in reserved],
             )
         finally:
-            with self.lock:
+            with self._lock:
                 self._promoting -= len(reserved)
                 for (i, lease, _), header in zip(reserved, headers, strict=True):
                     if header is None:
-                        self.index.abort(lease, PROMOTER)
+                        self._index.abort(lease, PROMOTER)
                         continue
-                    for entry in self.index.commit(lease, PROMOTER):
+                    for entry in self._index.commit(lease, PROMOTER):
                         entry.length = header.length
                         entry.checksum = header.checksum
                         self._write_header(entry.slot, entry.header())
@@ -452,7 +500,7 @@ class HostTier:
             header = ChunkHeader.unpack(self.pool.header(slot).data)
             if header is not None and header.state == SlotState.WRITING:
                 # A writer of the earlier agent process may still be copying into it.
-                self.index.rest(slot, started + self.lease_seconds)
+                self._index.rest(slot, started + self.lease_seconds)
                 continue
             if header is None or header.state != SlotState.SEALED:
                 continue
@@ -461,11 +509,11 @@ class HostTier:
                 self._write_header(slot, ChunkHeader("", b"", 0, 0, SlotState.FREE))
                 self._count_corrupt(f"slot {slot} failed its checksum")
                 continue
-            if self.index.get(header.namespace, header.key) is None:
-                self.index.adopt(header, slot, self.pool.generation(slot))
+            if self._index.get(header.namespace, header.key) is None:
+                self._index.adopt(header, slot, self.pool.generation(slot))
         log.info(
             "re-indexed pool: %d chunks, %d corrupt, %.2fs",
-            self.index.chunks,
+            self._index.chunks,
             self.corrupt,
             time.monotonic() - started,
         )
@@ -474,10 +522,10 @@ class HostTier:
         """Gauges read the index when scraped, so requests never pay for them."""
         m, g = self.metrics, self.geometry
         m.capacity_bytes.labels(TIER).set(g.slot_count * g.payload_bytes)
-        m.free_slots.set_function(lambda: self.index.free_slots)
-        m.leases.set_function(lambda: self.index.leases)
-        m.chunks.labels(TIER).set_function(lambda: self.index.chunks)
-        m.used_bytes.labels(TIER).set_function(lambda: self.index.chunks * g.payload_bytes)
+        m.free_slots.set_function(lambda: self._index.free_slots)
+        m.leases.set_function(lambda: self._index.leases)
+        m.chunks.labels(TIER).set_function(lambda: self._index.chunks)
+        m.used_bytes.labels(TIER).set_function(lambda: self._index.chunks * g.payload_bytes)
 
 
 def _split(items: list[tuple[int, Entry]]) -> list[list[tuple[int, Entry]]]:

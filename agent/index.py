@@ -246,6 +246,10 @@ class HostIndex:
             return 0, slots, generations
         return self._new_lease(client, "store", entries, deadline), slots, generations
 
+    def ready_keys(self) -> dict[str, set[bytes]]:
+        """Every sealed chunk's key, by namespace."""
+        return {ns: set(entries) for ns, entries in self._ready.items() if entries}
+
     def note_parents(self, namespace: str, keys: list[bytes], parents: list[bytes | None]) -> None:
         """Tell the policy each key's predecessor in its request (None where the store did
         not name one), for the keys not held yet: what a store is about to add."""

@@ -90,7 +90,8 @@ class SecondaryTiers:
         self.host = host
         self.metrics = metrics
         self.budget = budget_seconds
-        self._pins = 0  # pool slots pinned by queued or running write-backs (host lock)
+        self._pins = 0  # pool slots pinned by queued or running write-backs
+        self._pins_lock = threading.Lock()
         self._max_pins = max(1, host.geometry.slot_count // 2)
         self.tiers = [
             _Tier(c, build_tier(c, context), queue.Queue(maxsize=c.queue_depth)) for c in configs
@@ -116,8 +117,7 @@ class SecondaryTiers:
             thread.start()
         for t in self.tiers:
             self._bind_gauges(t)
-        host.on_sealed = self._on_sealed
-        host.on_hits = self._on_hits
+        host.subscribe(self._on_sealed, self._on_hits)
 
     def peer(self) -> PeerTier | None:
         """The peer tier, which also answers the agent's `kvtier_source` requests."""
@@ -157,8 +157,9 @@ class SecondaryTiers:
             tier.count("dropped")
             self.metrics.writeback_dropped.labels(tier.name, reason).inc()
             return
-        self.host.index.pin(entry)  # released by the writer: the slot cannot be reused meanwhile
-        self._pins += 1
+        self.host.pin_locked(entry)  # released by the writer: the slot cannot be reused meanwhile
+        with self._pins_lock:
+            self._pins += 1
 
     def _write_loop(self, tier: _Tier) -> None:
         while (entry := tier.queue.get()) is not None:
@@ -179,8 +180,8 @@ class SecondaryTiers:
                     time.perf_counter() - started
                 )
             finally:
-                with self.host.lock:
-                    self.host.index.unpin(entry)
+                self.host.unpin(entry)
+                with self._pins_lock:
                     self._pins -= 1
 
     # --- lookup and promotion (called on the agent's request workers) --------------------

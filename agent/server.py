@@ -258,8 +258,7 @@ class Agent:
                     self.access_log.record_request(namespace, ids, hits)
             case p.Allocate(namespace, keys, nbytes, parents):
                 if parents is not None:  # for the policy, before the store evicts anything
-                    with host.lock:
-                        host.index.note_parents(namespace, keys, parents)
+                    host.note_parents(namespace, keys, parents)
                 lease, slots, generations, staging = host.allocate(client, namespace, keys, nbytes)
                 return p.LeaseReply(lease, slots, [], generations, staging)
             case p.Commit(lease):
@@ -278,8 +277,7 @@ class Agent:
             case p.EndLoad(lease):
                 host.end_load(lease, client)
             case p.Events(namespace, after):
-                with host.lock:
-                    batch = host.index.events.since(namespace, after)
+                batch = host.events_since(namespace, after)
                 return p.EventsReply(batch.seq, batch.stored, batch.evicted, batch.truncated)
             case p.Stats():
                 return p.StatsReply(self.stats())

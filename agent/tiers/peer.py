@@ -138,9 +138,7 @@ class PeerTier(SecondaryTier):
     def _seed(self) -> None:
         """A restarted agent re-indexed a warm pool: what it holds is announced like what is
         stored after the start."""
-        host = self.server.host
-        with host.lock:
-            ready = {ns: set(keys) for ns, keys in host.index._ready.items() if keys}
+        ready = self.server.host.held()
         with self._lock:
             for namespace, keys in ready.items():
                 self._held.setdefault(namespace, set()).update(keys)
@@ -164,8 +162,7 @@ class PeerTier(SecondaryTier):
         sending askers here for them (the entries would expire anyway, later)."""
         host = self.server.host
         for namespace, seen in list(self._evictions_seen.items()):
-            with host.lock:
-                batch = host.index.events.since(namespace, seen)
+            batch = host.events_since(namespace, seen)
             self._evictions_seen[namespace] = batch.seq
             if batch.evicted:
                 gone = host.missing(namespace, batch.evicted)  # not stored again since

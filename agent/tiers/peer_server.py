@@ -261,11 +261,9 @@ class PeerServer:
         if asked:
             host = self.host
             lease, slots, _ = host.begin_load(LENDER, namespace, asked)
-            with host.lock:
-                for key, slot in zip(asked, slots, strict=True):
-                    entry = host.index.get(namespace, key) if slot >= 0 else None
-                    sealed = entry is not None and entry.checksum is not None
-                    chunks.append((slot, entry.header()) if sealed and entry else ABSENT)
+            headers = host.sealed_headers(namespace, asked, slots)
+            for slot, header in zip(slots, headers, strict=True):
+                chunks.append((slot, header) if header is not None else ABSENT)
         return lease, chunks + [BUSY] * refused
 
     def _settle(self) -> None:
