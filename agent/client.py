@@ -494,7 +494,11 @@ class AgentClient:
                 if grant.lease:
                     ahead = (self._commit_ahead(grant.lease), grant.lease)
                 granted = sum(1 for s in grant.slots if s >= 0)
-                later = [i for i, s in zip(batch, grant.slots, strict=True) if s == p.STAGING_FULL]
+                later = [
+                    i
+                    for i, s in zip(batch, grant.slots, strict=True)
+                    if s == p.StoreCode.STAGING_FULL
+                ]
                 stored += granted
                 skipped += len(batch) - granted - len(later)
                 if later and not granted and ahead is None:  # others hold every staging slot

@@ -37,11 +37,12 @@ import xxhash
 from kvtier.agent.chunk import ChunkHeader, SlotState, checksum
 from kvtier.agent.config import HostTierConfig
 from kvtier.agent.events import EventBatch
-from kvtier.agent.index import BUSY, EXISTS, FULL, STAGING, Entry, HostIndex
+from kvtier.agent.index import Entry, HostIndex
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
 from kvtier.agent.pool import create_or_reuse, create_staging, staging_path
 from kvtier.agent.pool_layout import PoolGeometry, slot_payload_bytes
+from kvtier.agent.protocol import StoreCode
 from kvtier.agent.shm_index import TableWriter, index_path
 
 log = logging.getLogger("kvtier.agent.host")
@@ -50,7 +51,12 @@ TIER = "host"
 # Holders of the agent's own leases; ':' is never part of a client id (see protocol.py).
 PROMOTER = "agent:promoter"  # slots being filled from a secondary tier
 LENDER = "agent:peer"  # chunks being sent to other agents
-_SKIP_REASONS = {EXISTS: "exists", BUSY: "busy", FULL: "full", STAGING: "staging"}
+_SKIP_REASONS = {
+    StoreCode.EXISTS: "exists",
+    StoreCode.BUSY: "busy",
+    StoreCode.FULL: "full",
+    StoreCode.STAGING_FULL: "staging",
+}
 STAGING_BYTES = 64 << 20  # the staging area: stores in flight at once, node-wide
 COPY_BLOCK = 256 << 10  # copied then hashed while in cache
 
@@ -218,7 +224,7 @@ class HostTier:
                 "the engine's row size must match the agent's host.chunkBytes"
             )
         n = len(keys)
-        slots, generations, staging = [STAGING] * n, [0] * n, [-1] * n
+        slots, generations, staging = [int(StoreCode.STAGING_FULL)] * n, [0] * n, [-1] * n
         with self._lock:
             budget = len(self._staging_free)
             chosen = []
@@ -247,7 +253,7 @@ class HostTier:
                 self._staged[lease] = staged
         for slot in slots:
             if slot < 0:
-                self._skipped[slot].inc()
+                self._skipped[StoreCode(slot)].inc()
         if evicted:
             self._evictions.inc(evicted)
         return lease, slots, generations, staging
@@ -470,7 +476,7 @@ class HostTier:
                     reserved.append((i, lease, slots[0]))
                     self._promoting += 1
                 else:
-                    held[i] = slots[0] == EXISTS
+                    held[i] = slots[0] == StoreCode.EXISTS
         if not reserved:
             return held
         headers: list[ChunkHeader | None] = [None] * len(reserved)

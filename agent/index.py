@@ -26,18 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
-from kvtier.agent import protocol as p
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.events import ChunkEvents
 from kvtier.agent.policy import ChunkId, EvictionPolicy
+from kvtier.agent.protocol import StoreCode, Where
 from kvtier.agent.shm_index import TableWriter, digest
-
-# Per-key answers of `allocate` that are not slot numbers.
-EXISTS = -1  # already held: the store is a duplicate and is skipped
-BUSY = -2  # another client is writing it right now
-FULL = -3  # every slot is pinned; nothing could be evicted
-MISS = -1  # `begin_load`: not held
-STAGING = p.STAGING_FULL  # `HostTier.allocate`: no staging slot free now; store it later
 
 
 class LeaseError(ValueError):
@@ -223,10 +216,12 @@ class HostIndex:
             slot = None if existing is not None else self._take_slot((namespace, key))
             if slot is None:
                 if existing is not None:
-                    slots.append(EXISTS if existing.state is EntryState.READY else BUSY)
+                    slots.append(
+                        StoreCode.EXISTS if existing.state is EntryState.READY else StoreCode.BUSY
+                    )
                 else:
                     self.counters.full += 1
-                    slots.append(FULL)
+                    slots.append(StoreCode.FULL)
                 generations.append(0)
                 continue
             entry = Entry(
@@ -314,7 +309,7 @@ class HostIndex:
         for key in keys:
             entry = ready.get(key)
             if entry is None:
-                slots.append(MISS)
+                slots.append(Where.MISS)
                 generations.append(0)
                 continue
             entry.pins += 1

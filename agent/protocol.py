@@ -19,6 +19,7 @@ the bounds, so a malformed or oversized request is refused before it touches any
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Annotated
 
 import msgspec
@@ -33,9 +34,22 @@ MAX_KEYS = 65536
 MAX_NAMESPACE_BYTES = 256  # as in a chunk header
 MAX_KEY_BYTES = 1024
 
-# Allocate's answer for a key no staging slot was free for right now: store it again once
-# earlier stores are committed (the other negative slot codes are in index.py).
-STAGING_FULL = -4
+
+class StoreCode(IntEnum):
+    """Allocate's per-key answers that are not slot numbers (negative on the wire)."""
+
+    EXISTS = -1  # already held: the store is a duplicate and is skipped
+    BUSY = -2  # another client is writing it right now
+    FULL = -3  # every slot is pinned; nothing could be evicted
+    STAGING_FULL = -4  # no staging slot free right now: store it again once earlier stores end
+
+
+class Where(IntEnum):
+    """Where a lookup or a load found a key, when not in a tier (0 is the host pool, 1.. the
+    secondary tiers in order; a load's slot is >= 0)."""
+
+    MISS = -1
+
 
 # Error codes of ErrorReply.
 NOT_REGISTERED = "not_registered"  # say Hello on this connection first

@@ -35,6 +35,7 @@ from kvtier.agent.config import TierConfig
 from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import Entry
 from kvtier.agent.metrics import AgentMetrics
+from kvtier.agent.protocol import Where
 from kvtier.agent.tiers import CorruptChunk, SecondaryTier, TierContext, build_tier
 
 if TYPE_CHECKING:
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.agent.secondary")
 
-MISS = -1
 FAILURES_TO_UNHEALTHY = 3
 
 
@@ -189,7 +189,7 @@ class SecondaryTiers:
     def locate(self, namespace: str, keys: list[bytes], deadline: float) -> list[int]:
         """For each key, the position (1-based) of the first healthy tier holding it, or
         MISS; what is not answered by `deadline` is a MISS."""
-        where = [MISS] * len(keys)
+        where = [int(Where.MISS)] * len(keys)
         todo = list(range(len(keys)))
         for position, tier in enumerate(self.tiers, start=1):
             if not todo:

@@ -37,10 +37,11 @@ from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import LeaseError
 from kvtier.agent.liveness import ClientRegistry
 from kvtier.agent.metrics import AgentMetrics
+from kvtier.agent.protocol import Where
 from kvtier.agent.registry import make_registry
 from kvtier.agent.report import Reporter
 from kvtier.agent.runtime_checks import check_runtime
-from kvtier.agent.secondary import MISS, SecondaryTiers
+from kvtier.agent.secondary import SecondaryTiers
 from kvtier.agent.shm_index import digest_ids
 from kvtier.agent.tiers import TierContext
 
@@ -244,7 +245,7 @@ class Agent:
                 self.access_log.record_request(namespace, digest_ids(namespace, keys), hits)
                 if self.tiers is not None and prefix < len(keys):
                     return lambda: self._lookup_tiers(namespace, keys, hits, source, deadline)
-                return p.LookupReply(hits, prefix, [0 if h else MISS for h in hits])
+                return p.LookupReply(hits, prefix, [0 if h else Where.MISS for h in hits])
             case p.Looked(namespace, digests, sizes, loaded_bytes):
                 host.count_loaded(loaded_bytes)
                 # Lookups a client answered from the published index: the one place where
@@ -272,7 +273,7 @@ class Agent:
                         client, namespace, keys, source, deadline
                     )
                 lease, slots, generations = host.begin_load(client, namespace, keys)
-                where = [0 if s >= 0 else MISS for s in slots]
+                where = [0 if s >= 0 else Where.MISS for s in slots]
                 return p.LeaseReply(lease, slots, where, generations)
             case p.EndLoad(lease):
                 host.end_load(lease, client)
@@ -304,10 +305,10 @@ class Agent:
         missing = [i for i, hit in enumerate(hits) if not hit]
         self._ask_source(source, namespace, [keys[i] for i in missing])
         found = self.tiers.locate(namespace, [keys[i] for i in missing], deadline)
-        where = [0 if hit else MISS for hit in hits]
+        where = [0 if hit else Where.MISS for hit in hits]
         for i, position in zip(missing, found, strict=True):
             where[i] = position
-        all_hits = [w != MISS for w in where]
+        all_hits = [w != Where.MISS for w in where]
         prefix = all_hits.index(False) if False in all_hits else len(keys)
         return p.LookupReply(all_hits, prefix, where)
 
@@ -320,7 +321,7 @@ class Agent:
         promoted = self.tiers.promote(namespace, missing, deadline)
         lease, slots, generations = self.host.begin_load(client, namespace, keys)
         where = [
-            MISS if slot < 0 else promoted.get(key, 0)
+            Where.MISS if slot < 0 else promoted.get(key, 0)
             for key, slot in zip(keys, slots, strict=True)
         ]
         return p.LeaseReply(lease, slots, where, generations)

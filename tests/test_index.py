@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.agent.index import BUSY, EXISTS, FULL, MISS, HostIndex, LeaseError
+from kvtier.agent.index import HostIndex, LeaseError
 from kvtier.agent.policy import make_policy
+from kvtier.agent.protocol import StoreCode, Where
+
+EXISTS, BUSY, FULL = StoreCode.EXISTS, StoreCode.BUSY, StoreCode.FULL
+MISS = Where.MISS
 
 
 @pytest.fixture(params=["lru", "arc", "prefix"])

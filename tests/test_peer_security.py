@@ -28,9 +28,9 @@ from kvtier.agent.config import AgentConfig
 from kvtier.agent.process import AgentProcess
 from kvtier.agent.tiers.nixl_path import available
 from kvtier.agent.tiers.peer_wire import (
-    REFUSED,
     RID,
     Announce,
+    Answer,
     Lend,
     Lent,
     NixlHello,
@@ -199,7 +199,7 @@ def test_nixl_metadata_goes_only_to_members(
     target, member = endpoint_of(scratch, "node-a"), endpoint_of(scratch, "node-b")
     keyed = (ring.public, ring.secret, ring.public)
     for asker in ("", "tcp://127.0.0.1:1", "ipc:///tmp/not-a-member"):
-        assert ask(target, NixlHello(asker), keyed) == [b"", REFUSED.encode()], asker
+        assert ask(target, NixlHello(asker), keyed) == [b"", Answer.REFUSED.encode()], asker
     assert ask(target, NixlHello(member), None) is None  # no key: no answer at all
     answer = ask(target, NixlHello(member), keyed)
     assert answer is not None and len(answer) == 1

@@ -12,6 +12,7 @@ import pytest
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.index import HostIndex
 from kvtier.agent.process import AgentProcess
+from kvtier.agent.protocol import StoreCode
 from kvtier.cli import main
 from kvtier.replay import BeladyPolicy, Budget, budgets, load_trace, replay, replay_agent, run
 from kvtier.tracegen import multi_turn
@@ -112,7 +113,7 @@ def test_belady_evicts_furthest_and_bypasses() -> None:
     index.commit(lease, "c")
     assert index.get(ns, b"b") is None  # next used at 9, after c's 7
     policy.upcoming[(ns, b"d")] = (8, 1)
-    assert index.allocate("c", ns, [b"d"], 1, 1e18)[1] == [-3]  # FULL: d is needed last
+    assert index.allocate("c", ns, [b"d"], 1, 1e18)[1] == [StoreCode.FULL]  # d is needed last
     # A tie on next use goes to the deeper chunk: the prefix outlives its extension.
     policy.upcoming[(ns, b"a")] = (7, 3)
     policy.on_hit((ns, b"a"))

@@ -19,7 +19,7 @@ import zmq
 
 from kvtier.agent.tiers.peer_wire import (
     RID,
-    SENT,
+    Answer,
     Fetch,
     KeyRing,
     context,
@@ -117,7 +117,7 @@ class Connection:
                 statuses = decode_statuses(sock.recv())
                 pages = []
                 for status, out in zip(statuses, outs, strict=True):
-                    if status == SENT:
+                    if status == Answer.SENT:
                         pages.append(sock.recv())
                         sock.recv_into(out)  # a longer frame is cut: its checksum fails
                 while sock.rcvmore:

@@ -20,9 +20,7 @@ from kvtier.agent.tiers.base import CorruptChunk, check_blob, check_payload
 from kvtier.agent.tiers.peer_connection import Connection, Connections
 from kvtier.agent.tiers.peer_server import PeerServer
 from kvtier.agent.tiers.peer_wire import (
-    ABSENT,
-    BUSY,
-    SENT,
+    Answer,
     Damaged,
     Fetch,
     Lend,
@@ -204,7 +202,7 @@ class Reader:
         holder = connection.endpoint
         reply = connection.call(Lend(namespace, [r.key for r in batch]))
         if reply is None:
-            self._resolve(namespace, batch, [ABSENT] * len(batch))
+            self._resolve(namespace, batch, [Answer.ABSENT] * len(batch))
             return
         loan = decode_loan(reply[0])
         moving: list[tuple[Read, Lent, ChunkHeader]] = []
@@ -242,11 +240,11 @@ class Reader:
     def _read_zmq(self, connection: Connection, namespace: str, batch: list[Read]) -> None:
         fetch = Fetch(namespace, [r.key for r in batch])
         reply = connection.fetch_into(fetch, [r.out for r in batch])
-        statuses, pages = reply if reply else ([ABSENT] * len(batch), [])
+        statuses, pages = reply if reply else ([Answer.ABSENT] * len(batch), [])
         arrived = iter(pages)
         sent = 0
         for read, status in zip(batch, statuses, strict=True):
-            if status != SENT:
+            if status != Answer.SENT:
                 self._resolve(namespace, [read], [status])
                 continue
             try:
@@ -263,7 +261,7 @@ class Reader:
         answer or no longer holds the key is forgotten as this key's holder."""
         for read, status in zip(reads, statuses, strict=True):
             read.resolved = True
-            if status == BUSY:
+            if status == Answer.BUSY:
                 self._count("busy", 1)
             else:
                 self._holders.forget(namespace, read.key)

@@ -25,11 +25,8 @@ from kvtier.agent.host_tier import LENDER, HostTier
 from kvtier.agent.tiers.nixl_path import NixlPath, available
 from kvtier.agent.tiers.peer_directory import Directory
 from kvtier.agent.tiers.peer_wire import (
-    ABSENT,
-    BUSY,
-    REFUSED,
-    SENT,
     Announce,
+    Answer,
     Damaged,
     Fetch,
     Holds,
@@ -155,7 +152,7 @@ class PeerServer:
                 request.asker, str(frames[2].get("Peer-Address"))
             ):
                 self._refuse(f"NIXL metadata asked for by {request.asker[:200]!r}")
-                self._sock.send_multipart([identity, rid, b"", REFUSED.encode()])
+                self._sock.send_multipart([identity, rid, b"", Answer.REFUSED.encode()])
                 continue
             reply = self._handle(request)
             if reply is not None:
@@ -201,7 +198,7 @@ class PeerServer:
 
     def _lend(self, namespace: str, keys: list[bytes]) -> Loan:
         if self.nixl is None:
-            return Loan(0, "", [ABSENT] * len(keys))
+            return Loan(0, "", [Answer.ABSENT] * len(keys))
         lease, chunks = self._lease(namespace, keys)
         base, geometry = self.nixl.base, self.host.pool.geometry
         lent: list[Lent | str] = [
@@ -237,21 +234,21 @@ class PeerServer:
                 statuses.append(chunk)
                 continue
             slot, header = chunk
-            statuses.append(SENT)
+            statuses.append(Answer.SENT)
             # Sent from the slot itself; the lease ends once ZMQ is done with the bytes.
             frames += [header.page(), self.host.pool.payload(slot, header.length).data]
         frames[2] = encode(statuses)
         tracker = self._sock.send_multipart(frames, copy=False, track=True)
         if lease:
             assert tracker is not None
-            self._sending.append((tracker, lease, statuses.count(SENT)))
+            self._sending.append((tracker, lease, statuses.count(Answer.SENT)))
 
     def _lease(
         self, namespace: str, keys: list[bytes]
     ) -> tuple[int, list[tuple[int, ChunkHeader] | str]]:
         """Lease the slots of the held chunks among `keys`, up to the lending cap: the lease
-        (0 for none) and per key (slot, header), ABSENT or BUSY. A chunk not sealed yet has
-        no checksum to send and counts as absent."""
+        (0 for none) and per key (slot, header), Answer.ABSENT or Answer.BUSY. A chunk not
+        sealed yet has no checksum to send and counts as absent."""
         room = max(0, self.config.max_lent_chunks - self.lent())
         asked, refused = keys[:room], len(keys) - min(room, len(keys))
         self.refused += refused
@@ -263,8 +260,8 @@ class PeerServer:
             lease, slots, _ = host.begin_load(LENDER, namespace, asked)
             headers = host.sealed_headers(namespace, asked, slots)
             for slot, header in zip(slots, headers, strict=True):
-                chunks.append((slot, header) if header is not None else ABSENT)
-        return lease, chunks + [BUSY] * refused
+                chunks.append((slot, header) if header is not None else Answer.ABSENT)
+        return lease, chunks + [Answer.BUSY] * refused
 
     def _settle(self) -> None:
         """End the leases of finished sends and of loans not returned in time."""

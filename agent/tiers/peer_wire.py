@@ -8,14 +8,22 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import msgspec
 import zmq
 
 RID = struct.Struct("<Q")  # request id, echoed in the reply
-SENT, ABSENT, BUSY = "sent", "absent", "busy"  # BUSY: the holder lends too many slots already
-REFUSED = "refused"  # the request named (or came from) something that is not a live member
+
+
+class Answer(StrEnum):
+    """A holder's per-chunk answer to a fetch or a loan, and its refusal of a request."""
+
+    SENT = "sent"
+    ABSENT = "absent"
+    BUSY = "busy"  # the holder lends too many slots already
+    REFUSED = "refused"  # the request named (or came from) something that is not a member
 
 
 class Announce(msgspec.Struct, tag="announce"):
@@ -45,8 +53,8 @@ class WhoHas(msgspec.Struct, tag="who_has"):
 
 
 class Fetch(msgspec.Struct, tag="fetch"):
-    """Send these chunks over ZMQ: answered with one status per key (`SENT`, `ABSENT`,
-    `BUSY`), then a header frame and a payload frame per chunk sent."""
+    """Send these chunks over ZMQ: answered with one `Answer` per key (sent, absent, busy),
+    then a header frame and a payload frame per chunk sent."""
 
     namespace: str
     keys: list[bytes]
@@ -86,7 +94,7 @@ class Lent(msgspec.Struct, array_like=True):
 class Loan(msgspec.Struct):
     lease: int
     agent: str  # the holder's NIXL agent: a restarted holder has a new one
-    chunks: list[Lent | str]  # or ABSENT / BUSY
+    chunks: list[Lent | str]  # or Answer.ABSENT / Answer.BUSY
     sections: bytes = b""  # NIXL metadata of the lent bytes, registered for this loan only
 
 
