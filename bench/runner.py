@@ -58,7 +58,12 @@ def render_host(result: dict[str, Any], console: Console) -> None:
         f"  store ratio vs memcpy:          {r['store_ratio_vs_memcpy']:.2f}\n"
         f"  store ratio vs memcpy+checksum: {r['store_ratio_vs_memcpy_checksum']:.2f}\n"
         f"  load ratio vs memcpy:           {r['load_ratio_vs_memcpy']:.2f}\n"
-        f"lookup p99, 1k keys: {r['lookup_p99_us_1k']:.0f} µs"
+        f"lookup of 1k keys in the client: p99 {r['lookup_p99_us_1k']:.0f} µs, "
+        f"{r['lookup_p99_ratio_vs_ipc_rtt']:.2f}x a bare ipc round trip "
+        f"(p99 {r['ipc_rtt_p99_us']:.0f} µs)\n"
+        f"index on {r['index_entries']:,} entries: {r['index_bytes_per_entry']:.0f} bytes per "
+        f"entry published, {r['agent_index_bytes_per_entry']:.0f} in the agent; "
+        f"{r['index_lookups_per_s'] / 1e6:.1f} M batched lookups/s"
     )
 
 
