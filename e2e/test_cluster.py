@@ -355,8 +355,7 @@ def test_a_real_agent_publishes_its_node_and_kubectl_get_shows_it(
     emulated), creates its KVCacheNode, reports; the tier's status and `kubectl get kvt`
     columns then show it."""
     from kvtier.agent.client import AgentClient
-    from kvtier.agent.config import scratch_config
-    from kvtier.agent.process import AgentProcess
+    from kvtier.local_agent import AgentProcess, scratch_config
 
     monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-e2e-", dir="/dev/shm"))

@@ -21,10 +21,10 @@ import pytest
 import zmq
 
 from e2e.test_vllm_engine import BLOCKS_PER_PROMPT, HITS, PROMPTS, REPO, kv_config
-from e2e.vllm_engine.tiny_model import build
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.process import AgentProcess
+from kvtier.demo_engines.tiny_model import build
+from kvtier.local_agent import AgentProcess
 from tests import netns
 from tests.conftest import AGENT_PYTHON
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from e2e.test_vllm_engine import HITS, kv_config, run_engines
-from e2e.vllm_engine.tiny_model import ARCHITECTURES, build
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.process import AgentProcess
+from kvtier.demo_engines.tiny_model import ARCHITECTURES, build
+from kvtier.local_agent import AgentProcess
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = ("float32", "bfloat16")

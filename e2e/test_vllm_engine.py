@@ -21,17 +21,17 @@ from typing import Any
 
 import pytest
 
-from e2e.vllm_engine.tiny_model import build
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.process import AgentProcess
 from kvtier.agent.transfer_config import build_kv_transfer_config
+from kvtier.demo_engines.tiny_model import build
+from kvtier.local_agent import AgentProcess
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [" ".join(f"w{(i * 7 + j * 13) % 400}" for i in range(330)) for j in range(2)]
 BLOCKS_PER_PROMPT = 330 // 32
 HITS = "vllm:external_prefix_cache_hits"
-CPU_SPEC = ("e2e.vllm_engine.cpu_spec", "CPUTestTieringSpec")
+CPU_SPEC = ("kvtier.demo_engines.cpu_spec", "CPUTestTieringSpec")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def run_engines(runs: list[dict[str, Any]], timeout: float = 900) -> Engines:
     path = [p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p]
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(path)}
     proc = subprocess.run(
-        [sys.executable, "-m", "e2e.vllm_engine.run_engine", "--runs", json.dumps(runs)],
+        [sys.executable, "-m", "kvtier.demo_engines.run_engine", "--runs", json.dumps(runs)],
         capture_output=True,
         text=True,
         timeout=timeout,

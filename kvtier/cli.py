@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,32 +13,9 @@ from pathlib import Path
 
 
 def _agent(args: argparse.Namespace) -> int:
-    from kvtier.agent.config import ConfigError, load_config
-    from kvtier.agent.logs import setup_logging
-    from kvtier.agent.runtime_checks import check_runtime
+    from kvtier.agent.main import start
 
-    # The tier's group is the boundary: what the agent creates in the tier's directory (its
-    # socket, pool and lock files) is for the group, and for nobody else.
-    os.umask(0o007)
-
-    try:
-        config = load_config(args.config)
-        if args.check:
-            check_runtime(config)
-            print(config.to_yaml(), end="")
-            return 0
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    setup_logging(config.log_level)
-    from kvtier.agent.server import run_agent
-
-    try:
-        run_agent(config)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    return 0
+    return start(args.config, args.check)
 
 
 def _peer_keys(args: argparse.Namespace) -> int:

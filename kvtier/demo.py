@@ -26,9 +26,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig, scratch_config
-from kvtier.agent.process import AgentProcess
+from kvtier.agent.config import AgentConfig
 from kvtier.agent.units import format_bytes
+from kvtier.local_agent import AgentProcess, scratch_config
 from kvtier.workload import WorkloadShape, chunk_keys, conversation_turns, row_for
 
 NAMESPACE = "demo-model-fp16-c256"

@@ -17,11 +17,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import scratch_peer_config
 from kvtier.agent.pool import Bytes
-from kvtier.agent.process import AgentProcess
 from kvtier.agent.units import format_bytes
 from kvtier.demo import NAMESPACE, ROW_BYTES
+from kvtier.local_agent import AgentProcess, scratch_peer_config
 from kvtier.workload import WorkloadShape, chunk_keys, conversation_turns, row_for
 
 

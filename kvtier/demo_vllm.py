@@ -3,8 +3,8 @@
 Engine A answers questions that share a long system prompt; engine B, a separate process
 with its own (empty) host buffer, then answers other questions behind the same system
 prompt and loads that prefix from the agent instead of computing it. Engines run under the
-vLLM environment (CPU build, a tiny random model built locally) with the CPU copy worker
-from the repository's e2e harness, so this part runs from a checkout.
+vLLM environment (CPU build, a tiny random model built locally) with the CPU copy worker of
+`kvtier.demo_engines`, which vLLM pods never get (the plug-in payload leaves it out).
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import scratch_config
-from kvtier.agent.process import AgentProcess
 from kvtier.agent.transfer_config import build_kv_transfer_config
+from kvtier.local_agent import AgentProcess, scratch_config
 
 SYSTEM = " ".join(f"w{(i * 11) % 400}" for i in range(256))
 QUESTIONS = {
@@ -41,27 +40,20 @@ class EngineRun:
     outputs: list[list[int]]
 
 
-def find_checkout() -> Path | None:
-    """The repository checkout (for the e2e harness), if this install runs from one."""
-    root = Path(__file__).resolve().parents[1]
-    return root if (root / "e2e" / "vllm_engine" / "run_engine.py").exists() else None
-
-
-def _engine(python: Path, repo: Path, model: Path, kv: dict[str, Any], name: str) -> EngineRun:
+def _engine(python: Path, model: Path, kv: dict[str, Any], name: str) -> EngineRun:
     prompts = [f"{SYSTEM} {q}" for q in QUESTIONS[name]]
     proc = subprocess.run(
         [
             str(python),
             "-m",
-            "e2e.vllm_engine.run_engine",
+            "kvtier.demo_engines.run_engine",
             "--runs",
             json.dumps([{"model": str(model), "kv_transfer_config": kv, "prompts": prompts}]),
         ],
         capture_output=True,
         text=True,
         timeout=900,
-        cwd=repo,
-        env={**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(repo)},
+        env={**os.environ, "PYTHONHASHSEED": "0"},
     )
     if proc.returncode != 0:
         raise RuntimeError(f"vLLM engine {name} failed:\n{proc.stderr[-3000:]}")
@@ -76,28 +68,25 @@ def _engine(python: Path, repo: Path, model: Path, kv: dict[str, Any], name: str
 
 
 def run_engines(vllm_python: Path, console: Console) -> dict[str, Any]:
-    repo = find_checkout()
-    if repo is None:
-        raise RuntimeError("the vLLM part of the demo runs from a kvtier checkout")
-    model_dir = repo / ".scratch" / "tiny-llama"
-    subprocess.run(
-        [str(vllm_python), "-m", "e2e.vllm_engine.tiny_model", str(model_dir)],
-        check=True,
-        capture_output=True,
-        cwd=repo,
-        env={**os.environ, "PYTHONPATH": str(repo)},
-    )
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-demo-vllm-", dir="/dev/shm"))
     try:
+        model_dir = scratch / "tiny-llama"
+        subprocess.run(
+            [str(vllm_python), "-m", "kvtier.demo_engines.tiny_model", str(model_dir)],
+            check=True,
+            capture_output=True,
+        )
         agent = scratch_config(scratch, "demo-vllm", "64Mi", "64Ki")
         kv = build_kv_transfer_config(
-            agent, cpu_bytes_to_use=4 << 20, spec=("e2e.vllm_engine.cpu_spec", "CPUTestTieringSpec")
+            agent,
+            cpu_bytes_to_use=4 << 20,
+            spec=("kvtier.demo_engines.cpu_spec", "CPUTestTieringSpec"),
         )
         with AgentProcess(agent):
             runs = []
             for name in ("A", "B"):
                 with console.status(f"engine {name}: starting vLLM and serving 3 prompts"):
-                    runs.append(_engine(vllm_python, repo, model_dir, kv, name))
+                    runs.append(_engine(vllm_python, model_dir, kv, name))
             with AgentClient(agent.endpoint) as client:
                 stats = client.stats()
     finally:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvtier.agent.config import AgentConfig, parse_config
-from kvtier.agent.process import AgentProcess
+from kvtier.local_agent import AgentProcess
 from kvtier.polling import port_open, wait_for
 
 ROW = 64 * 1024

@@ -12,8 +12,8 @@ import pytest
 from kvtier.agent import protocol as p
 from kvtier.agent.access_log import AccessLog, to_records
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.process import AgentProcess
 from kvtier.cli import main
+from kvtier.local_agent import AgentProcess
 from kvtier.replay import Budget, load_trace, replay_agent, run
 from kvtier.tracegen import multi_turn
 from tests.conftest import ROW

@@ -17,7 +17,7 @@ from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.pool import PoolMap
-from kvtier.agent.process import AgentProcess
+from kvtier.local_agent import AgentProcess
 from tests.conftest import ROW
 from tests.helpers import NS, hold_leases, key, row, store_and_verify, wait_settled
 

@@ -17,7 +17,7 @@ import zmq
 from kvtier.agent import protocol as p
 from kvtier.agent.client import AgentClient
 from kvtier.agent.liveness import ClientLock
-from kvtier.agent.process import AgentProcess
+from kvtier.local_agent import AgentProcess
 from tests.agent_fuzz import per_message_type, random_hostile, rid, snapshot
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled

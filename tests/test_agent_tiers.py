@@ -14,7 +14,7 @@ import numpy as np
 from kvtier import polling
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.process import AgentProcess
+from kvtier.local_agent import AgentProcess
 from tests.conftest import ROW, free_port
 from tests.helpers import NS, key, row
 

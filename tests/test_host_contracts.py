@@ -18,8 +18,8 @@ import pytest
 
 from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable, LeaseLost
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.process import AgentProcess
 from kvtier.agent.shm_index import digests
+from kvtier.local_agent import AgentProcess
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled
 from tests.test_agent_tiers import wait_for

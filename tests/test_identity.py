@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from kvtier.agent.client import AgentClient, AgentUnavailable
-from kvtier.agent.config import AgentConfig, scratch_config
-from kvtier.agent.process import AgentProcess
+from kvtier.agent.config import AgentConfig
+from kvtier.local_agent import AgentProcess, scratch_config
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="switching to other uids and groups needs root (CI runs as root)"

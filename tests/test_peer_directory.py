@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.process import AgentProcess
+from kvtier.local_agent import AgentProcess
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
 from tests.test_agent_tiers import load_exact, wait_for

@@ -22,10 +22,10 @@ import pytest
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.process import AgentProcess
 from kvtier.agent.tiers.nixl_path import available
 from kvtier.agent.tiers.peer_wire import write_keys
 from kvtier.bench.peers import UCX_BETWEEN_HOSTS
+from kvtier.local_agent import AgentProcess
 from tests import netns
 from tests.conftest import ROW
 from tests.helpers import NS, key, row

@@ -25,7 +25,6 @@ import zmq
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.process import AgentProcess
 from kvtier.agent.tiers.nixl_path import available
 from kvtier.agent.tiers.peer_wire import (
     RID,
@@ -41,6 +40,7 @@ from kvtier.agent.tiers.peer_wire import (
     load_keys,
     write_keys,
 )
+from kvtier.local_agent import AgentProcess
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
 from tests.test_agent_tiers import load_exact, wait_for

@@ -21,9 +21,9 @@ import pytest
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.pool import PoolMap
-from kvtier.agent.process import AgentProcess
 from kvtier.agent.tiers.peer_directory import home_of
 from kvtier.agent.tiers.peer_wire import write_keys
+from kvtier.local_agent import AgentProcess
 from tests import netns
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled

@@ -16,7 +16,7 @@ import pytest
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.pool import staging_path
-from kvtier.agent.process import AgentProcess
+from kvtier.local_agent import AgentProcess
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled
 from tests.pool_access import sealed_slots

@@ -20,7 +20,7 @@ from kvtier.agent.config import AgentConfig
 from kvtier.agent.index import HostIndex
 from kvtier.agent.policy import ARCPolicy, PrefixPolicy, make_policy
 from kvtier.agent.policy.prefix import _class
-from kvtier.agent.process import AgentProcess
+from kvtier.local_agent import AgentProcess
 from kvtier.replay import load_trace, replay
 from kvtier.tracegen import multi_turn
 from kvtier.tracegen import write as write_trace

@@ -11,9 +11,9 @@ import pytest
 
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.index import HostIndex
-from kvtier.agent.process import AgentProcess
 from kvtier.agent.protocol import StoreCode
 from kvtier.cli import main
+from kvtier.local_agent import AgentProcess
 from kvtier.replay import BeladyPolicy, Budget, budgets, load_trace, replay, replay_agent, run
 from kvtier.tracegen import multi_turn
 from tests.conftest import ROW

@@ -18,8 +18,8 @@ import pytest
 
 from kvtier.agent.client import AgentClient, AgentUnavailable
 from kvtier.agent.config import AgentConfig, FilesystemTierConfig
-from kvtier.agent.process import AgentProcess
 from kvtier.agent.tiers.filesystem import QUARANTINE, FilesystemTier
+from kvtier.local_agent import AgentProcess
 from tests.conftest import ROW
 from tests.faults import FaultProxy, Link
 from tests.helpers import NS, key, row, wait_settled

@@ -53,14 +53,13 @@ def main() -> int:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from kvtier.agent.config import scratch_config
-    from kvtier.agent.process import AgentProcess
     from kvtier.agent.transfer_config import build_kv_transfer_config
+    from kvtier.local_agent import AgentProcess, scratch_config
 
     os.environ.setdefault("PYTHONHASHSEED", "0")
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-gpu-", dir="/dev/shm"))
     try:
-        from e2e.vllm_engine.tiny_model import build
+        from kvtier.demo_engines.tiny_model import build
 
         model = build(
             scratch / "model",

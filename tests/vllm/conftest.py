@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from e2e.vllm_engine.tiny_model import build
 from kvtier.agent.config import AgentConfig
 from kvtier.bench.vllm_scheduler import ROW, Engine, kvtier_extra_config
+from kvtier.demo_engines.tiny_model import build
 
 REPO = Path(__file__).resolve().parents[2]
 

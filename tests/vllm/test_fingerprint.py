@@ -10,10 +10,10 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult
 
-from e2e.vllm_engine.tiny_model import build
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.process import AgentProcess
 from kvtier.bench.vllm_scheduler import Engine
+from kvtier.demo_engines.tiny_model import build
+from kvtier.local_agent import AgentProcess
 from tests.vllm.conftest import vllm_config_of
 
 MISS = LookupResult.MISS

@@ -14,9 +14,9 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.fingerprint import differing_components
-from kvtier.agent.process import AgentProcess
 from kvtier.agent.vllm import KVTierSecondaryTier
 from kvtier.bench.vllm_scheduler import Engine, chunk_key, chunk_row
+from kvtier.local_agent import AgentProcess
 from tests.vllm.conftest import engine_of
 
 HIT, MISS, RETRY, PENDING = (

@@ -23,8 +23,8 @@ from kvtier.agent.transfer_config import build_kv_transfer_config
 
 REPO = Path(__file__).resolve().parents[2]
 INTERFACE = Path(os.environ.get("KVTIER_VLLM_INTERFACE", REPO / ".venv-vllm" / "vllm-interface"))
-PLUGIN = REPO / "agent" / "vllm.py"
-FINGERPRINT = REPO / "agent" / "fingerprint.py"
+PLUGIN = REPO / "kvtier" / "agent" / "vllm.py"
+FINGERPRINT = REPO / "kvtier" / "agent" / "fingerprint.py"
 
 
 def parse(path: Path) -> ast.Module:

@@ -1,5 +1,7 @@
-"""Running an agent as a child process: for the demo, the benchmarks and the tests, which
-all need a real agent in its own process rather than one sharing their interpreter."""
+"""Agents on this machine, for the demo, the benchmarks and the tests: a config whose pool and
+socket live in a scratch directory, and the agent run as a child process (each needs a real
+agent in its own process rather than one sharing their interpreter). Not part of the agent:
+in a cluster the operator writes the config and the kubelet runs the agent."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from kvtier.agent.client import AgentClient, AgentUnavailable
-from kvtier.agent.config import AgentConfig
+from kvtier.agent.config import AgentConfig, parse_config
 
 
 class AgentProcess:
@@ -94,3 +97,63 @@ class AgentProcess:
         self, _t: type[BaseException] | None, _e: BaseException | None, _tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def scratch_config(
+    directory: Path,
+    name: str,
+    capacity: int | str,
+    chunk_bytes: int | str,
+    policy: str = "lru",
+    **fields: Any,
+) -> AgentConfig:
+    """An agent whose pool and socket live under `directory`, without a metrics port unless
+    `fields` says otherwise: what the demo, the benchmarks and the checks start."""
+    return parse_config(
+        {
+            "name": name,
+            "runDir": str(directory / "run"),
+            "host": {
+                "capacity": capacity,
+                "chunkBytes": chunk_bytes,
+                "policy": policy,
+                "poolDir": str(directory / "pool"),
+            },
+            "metrics": {"enabled": False},
+            **fields,
+        }
+    )
+
+
+def scratch_peer_config(
+    directory: Path,
+    name: str,
+    capacity: int | str,
+    chunk_bytes: int | str,
+    registry: Path,
+    peer: dict[str, Any] | None = None,
+    **fields: Any,
+) -> AgentConfig:
+    """A `scratch_config` agent with a peer tier on loopback that finds the other agents
+    through a registry directory: a second "node" on one machine, for the demo and the
+    benchmarks. `peer` overrides the peer tier's settings."""
+    return scratch_config(
+        directory / name,
+        name,
+        capacity,
+        chunk_bytes,
+        tiers=[
+            {
+                "name": "peers",
+                "peer": {"bind": "tcp://127.0.0.1:*", "membershipSeconds": 0.5, **(peer or {})},
+            }
+        ],
+        report={
+            "target": "file",
+            "directory": str(registry),
+            "node": name,
+            "intervalSeconds": 0.5,
+            "minIntervalSeconds": 0.2,
+        },
+        **fields,
+    )

@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig, scratch_peer_config
+from kvtier.agent.config import AgentConfig
 from kvtier.agent.pool import PAGE
-from kvtier.agent.process import AgentProcess
 from kvtier.agent.tiers.nixl_path import available
 from kvtier.agent.tiers.peer_wire import write_keys
 from kvtier.bench import netns
+from kvtier.local_agent import AgentProcess, scratch_peer_config
 
 MiB = 1 << 20
 NS = "bench-peers"

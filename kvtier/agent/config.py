@@ -371,66 +371,6 @@ def parse_config(data: Any) -> AgentConfig:
         raise ConfigError([_describe(e) for e in exc.errors()]) from None
 
 
-def scratch_config(
-    directory: Path,
-    name: str,
-    capacity: int | str,
-    chunk_bytes: int | str,
-    policy: str = "lru",
-    **fields: Any,
-) -> AgentConfig:
-    """An agent whose pool and socket live under `directory`, without a metrics port unless
-    `fields` says otherwise: what the demo, the benchmarks and the checks start."""
-    return parse_config(
-        {
-            "name": name,
-            "runDir": str(directory / "run"),
-            "host": {
-                "capacity": capacity,
-                "chunkBytes": chunk_bytes,
-                "policy": policy,
-                "poolDir": str(directory / "pool"),
-            },
-            "metrics": {"enabled": False},
-            **fields,
-        }
-    )
-
-
-def scratch_peer_config(
-    directory: Path,
-    name: str,
-    capacity: int | str,
-    chunk_bytes: int | str,
-    registry: Path,
-    peer: dict[str, Any] | None = None,
-    **fields: Any,
-) -> AgentConfig:
-    """A `scratch_config` agent with a peer tier on loopback that finds the other agents
-    through a registry directory: a second "node" on one machine, for the demo and the
-    benchmarks. `peer` overrides the peer tier's settings."""
-    return scratch_config(
-        directory / name,
-        name,
-        capacity,
-        chunk_bytes,
-        tiers=[
-            {
-                "name": "peers",
-                "peer": {"bind": "tcp://127.0.0.1:*", "membershipSeconds": 0.5, **(peer or {})},
-            }
-        ],
-        report={
-            "target": "file",
-            "directory": str(registry),
-            "node": name,
-            "intervalSeconds": 0.5,
-            "minIntervalSeconds": 0.2,
-        },
-        **fields,
-    )
-
-
 def load_config(path: str | os.PathLike[str]) -> AgentConfig:
     try:
         text = Path(path).read_text()

@@ -26,10 +26,10 @@ import numpy as np
 from rich.progress import Progress
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig, scratch_config
+from kvtier.agent.config import AgentConfig
 from kvtier.agent.pool import PAGE, Bytes
-from kvtier.agent.process import AgentProcess
 from kvtier.bench.baseline import memcpy_rows, run_threads, shared_buffer, tmpfs_buffer
+from kvtier.local_agent import AgentProcess, scratch_config
 
 NS = "bench"
 BATCH_BYTES = 64 << 20  # rows per call: an 8k-token prompt of 256-token chunks at 2 MiB

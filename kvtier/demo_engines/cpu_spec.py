@@ -142,6 +142,8 @@ class TorchCopyWorker(OffloadingWorker):
 
 
 class CPUTestTieringSpec(TieringOffloadingSpec):
+    _worker: OffloadingWorker | None
+
     def get_worker(self, kv_caches: Any) -> OffloadingWorker:
         if self._worker is None:
             canonical = bool(self.config.canonical_layout)

@@ -20,10 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.agent.config import scratch_config
 from kvtier.agent.pool_layout import PAGE
-from kvtier.agent.process import AgentProcess
 from kvtier.bench.vllm_scheduler import Engine, chunk_row, kvtier_extra_config
+from kvtier.local_agent import AgentProcess, scratch_config
 
 MiB = 1 << 20
 

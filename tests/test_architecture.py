@@ -1,0 +1,217 @@
+"""The direction of imports (docs/architecture.md), checked on the source so that a change
+that breaks it fails here, not in a vLLM pod or an agent container.
+
+- The agent never imports the operator, the CLIs, the demo, the benchmarks or the CSI plugin:
+  it runs in its own container and its plug-in runs inside vLLM.
+- The operator never imports the CLIs, the demo or the benchmarks.
+- The vLLM plug-in imports only what vLLM's environment has.
+- Nothing in the product imports, or runs as a module, the tests, e2e scenarios or tools.
+- No module but the host tier takes the host tier's lock or reads its index: the others use
+  its narrow interface (`HostTier.subscribe`, `pin_locked`, `events_since`, ...).
+- The operator loads no numpy: the config model it imports describes the pool without it.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "kvtier"
+HARNESS = ("tests", "e2e", "tools")
+FORBIDDEN = {
+    "kvtier.agent": (
+        "kvtier.operator",
+        "kvtier.cli",
+        "kvtier.kubectl",
+        "kvtier.demo",
+        "kvtier.demo_peers",
+        "kvtier.demo_vllm",
+        "kvtier.demo_engines",
+        "kvtier.bench",
+        "kvtier.csi",
+        "kvtier.local_agent",
+        "kvtier.replay",
+        "kvtier.plan",
+    ),
+    "kvtier.operator": (
+        "kvtier.cli",
+        "kvtier.kubectl",
+        "kvtier.demo",
+        "kvtier.bench",
+        "kvtier.local_agent",
+    ),
+}
+# The plug-in and what it imports run in vLLM's environment: numpy, pyzmq, msgspec, xxhash
+# come with vLLM; nothing that talks to Kubernetes, S3 or NIXL may be imported there.
+PLUGIN = "kvtier.agent.vllm"
+NOT_IN_VLLM = ("kopf", "kubernetes", "lightkube", "boto3", "botocore", "nixl", "grpc", "rich")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def product_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(path: Path) -> Iterator[tuple[int, str]]:
+    """Every module a file imports, at any depth (lazy imports in functions included)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.lineno, node.module
+            yield from ((node.lineno, f"{node.module}.{a.name}") for a in node.names)
+
+
+def within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def violations(rules: dict[str, tuple[str, ...]]) -> list[str]:
+    found = []
+    for name, path in product_modules().items():
+        for part, forbidden in rules.items():
+            if not within(name, (part,)):
+                continue
+            lines = {n: m for n, m in imports(path) if within(m, forbidden)}
+            found += [f"{name}:{n} imports {m}" for n, m in lines.items()]
+    return found
+
+
+def test_parts_import_in_one_direction() -> None:
+    assert violations(FORBIDDEN) == []
+
+
+def test_the_product_never_uses_tests_e2e_or_tools() -> None:
+    found = []
+    for name, path in product_modules().items():
+        found += [f"{name}:{n} imports {m}" for n, m in imports(path) if within(m, HARNESS)]
+        for node in ast.walk(ast.parse(path.read_text())):
+            text = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(text, str) and any(text.startswith(f"{h}.") for h in HARNESS):
+                found.append(f"{name}:{node.lineno} names the module {text}")
+    assert found == []
+
+
+def plugin_closure() -> set[str]:
+    """The kvtier modules the plug-in loads at import time (module level only)."""
+    modules = product_modules()
+    seen: set[str] = set()
+    todo = [PLUGIN]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in modules:
+            continue
+        seen.add(name)
+        tree = ast.parse(modules[name].read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                todo += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                todo += [a.name for a in node.names]
+    return seen
+
+
+def test_the_plugin_imports_only_what_vllm_has() -> None:
+    closure = plugin_closure()
+    assert PLUGIN in closure and len(closure) > 3
+    modules = product_modules()
+    found = [
+        f"{name} imports {imported}"
+        for name in sorted(closure)
+        for node in ast.parse(modules[name].read_text()).body
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for _, imported in imports_of(node)
+        if within(imported, NOT_IN_VLLM) or within(imported, ("kvtier.demo_engines",))
+    ]
+    assert found == []
+
+
+def imports_of(node: ast.Import | ast.ImportFrom) -> list[tuple[int, str]]:
+    if isinstance(node, ast.Import):
+        return [(node.lineno, a.name) for a in node.names]
+    return [(node.lineno, node.module or "")]
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        ("kvtier.agent.x", "from kvtier.operator import builders\n", "imports kvtier.operator"),
+        ("kvtier.agent.x", "def f():\n    import kvtier.cli\n", "imports kvtier.cli"),
+        ("kvtier.operator.x", "from kvtier.bench.host import run\n", "imports kvtier.bench"),
+    ],
+)
+def test_the_check_fails_when_broken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, source: str, expected: str
+) -> None:
+    path = tmp_path / "x.py"
+    path.write_text(source)
+    monkeypatch.setattr(
+        "tests.test_architecture.product_modules", lambda: {module: path}, raising=True
+    )
+    (found,) = violations(FORBIDDEN)
+    assert expected in found
+
+
+HOST_TIER = "kvtier.agent.host_tier"
+HOST_INTERNALS = {"lock", "index", "_lock", "_index", "_on_sealed", "_on_hits", "on_sealed"}
+
+
+def _is_host(node: ast.expr) -> bool:
+    """`host`, `self.host`, `self.server.host`, `agent._host`: a reference to a HostTier."""
+    if isinstance(node, ast.Name):
+        return node.id in {"host", "_host"}
+    return isinstance(node, ast.Attribute) and node.attr in {"host", "_host"}
+
+
+def host_internals_used() -> list[str]:
+    found = []
+    for name, path in product_modules().items():
+        if name == HOST_TIER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute) or node.attr not in HOST_INTERNALS:
+                continue
+            if _is_host(node.value):
+                found.append(f"{name}:{node.lineno} uses the host tier's {node.attr}")
+    return found
+
+
+def test_only_the_host_tier_takes_its_lock_or_reads_its_index() -> None:
+    assert host_internals_used() == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def f(self):\n    with self.host.lock:\n        pass\n",
+        "def f(host):\n    return host.index.get('ns', b'k')\n",
+        "def f(self):\n    self.server.host._index.pin(None)\n",
+    ],
+)
+def test_the_host_check_fails_when_broken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    path = tmp_path / "x.py"
+    path.write_text(source)
+    monkeypatch.setattr("tests.test_architecture.product_modules", lambda: {"kvtier.x": path})
+    assert len(host_internals_used()) == 1
+
+
+def test_the_operator_loads_no_numpy() -> None:
+    code = (
+        "import sys\n"
+        "import kvtier.operator.builders, kvtier.operator.webhook, kvtier.operator.status\n"
+        "assert 'numpy' not in sys.modules, 'numpy loaded'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
