@@ -30,6 +30,7 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
  && mkdir -p /opt/kvtier/plugin \
  && cp -r "$(python -c 'import kvtier, os; print(os.path.dirname(kvtier.__file__))')" \
           /opt/kvtier/plugin/ \
+ && rm -rf /opt/kvtier/plugin/kvtier/demo_engines \
  && groupadd --gid 65532 kvtier \
  && useradd --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin kvtier
 USER 65532:65532

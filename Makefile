@@ -38,7 +38,7 @@ vllm-env: $(VLLM_STAMP)
 # cannot be imported here): the wheel is downloaded once, the files re-extracted when the
 # plug-in changes; tests/vllm/test_vllm_interface.py reads them.
 VLLM_INTERFACE := $(VLLM_VENV)/vllm-interface/.complete
-$(VLLM_INTERFACE): $(STAMP) tools/fetch_vllm_interface.py agent/vllm.py agent/fingerprint.py
+$(VLLM_INTERFACE): $(STAMP) tools/fetch_vllm_interface.py kvtier/agent/vllm.py kvtier/agent/fingerprint.py
 	$(PY) tools/fetch_vllm_interface.py $(VLLM_VENV)/vllm-interface
 
 demo: $(STAMP) $(VLLM_STAMP)
@@ -54,19 +54,10 @@ e2e: $(STAMP) $(VLLM_STAMP)
 	KVTIER_AGENT_PYTHON=$(CURDIR)/$(PY) $(VLLM_PY) -m pytest e2e --ignore=e2e/test_cluster.py
 	$(PY) -m pytest -rs e2e/test_cluster.py
 
-# mypy must see the installed package layout (agent/ is kvtier.agent, ...): lay it out with
-# symlinks under .scratch and check the package from there.
-TYPECHECK := .scratch/typecheck
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/kvtier
-	ln -s $(CURDIR)/kvtier/*.py $(TYPECHECK)/kvtier/
-	ln -s $(CURDIR)/kvtier/csi $(TYPECHECK)/kvtier/csi
-	ln -s $(CURDIR)/agent $(TYPECHECK)/kvtier/agent
-	ln -s $(CURDIR)/bench $(TYPECHECK)/kvtier/bench
-	ln -s $(CURDIR)/operator $(TYPECHECK)/kvtier/operator
-	MYPYPATH=$(TYPECHECK) $(VENV)/bin/mypy -p kvtier
+	$(VENV)/bin/mypy -p kvtier
 
 # The kvtier image, built offline from a Debian root filesystem and verified by running it
 # (root; installs podman, runc, skopeo and debootstrap when missing). Also builds the

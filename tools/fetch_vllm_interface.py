@@ -20,7 +20,7 @@ from pathlib import Path
 
 VERSION = "0.33.0"
 ROOTS = ("vllm/v1/kv_offload/",)
-PLUGIN_FILES = ("agent/vllm.py", "agent/fingerprint.py")
+PLUGIN_FILES = ("kvtier/agent/vllm.py", "kvtier/agent/fingerprint.py")
 COMPLETE = ".complete"
 
 
