@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.agent.units import format_bytes, parse_bytes
-from kvtier.replay import Trace, TraceError, load_trace, replay
+from kvtier.replay import Trace, TraceError, load_trace, progress_bar, replay
 
 SECONDARY_POLICY = "lru"  # how the filesystem and object tiers evict
 REACHABLE_SHARE = 0.95
@@ -266,7 +266,6 @@ def summary(report: dict[str, Any]) -> list[str]:
 def main(args: Any) -> int:
     """Entry point of `kvtier plan` (flags parsed in kvtier.cli)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from kvtier.agent.policy import POLICIES
 
@@ -302,14 +301,7 @@ def main(args: Any) -> int:
         return 2
     sizes = grid(trace.unique_blocks, args.points)
     passes = len(sizes) * (1 if args.policy == SECONDARY_POLICY else 2)
-    with Progress(
-        TextColumn("plan"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        console=err,
-        disable=args.json or not err.is_terminal,
-        transient=True,
-    ) as bar:
+    with progress_bar("plan", err, quiet=args.json) as bar:
         task = bar.add_task("plan", total=trace.requests * passes)
         report = plan(
             trace,

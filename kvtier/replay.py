@@ -31,11 +31,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from kvtier.agent.index import HostIndex
 from kvtier.agent.policy import POLICIES, ChunkId, EvictionPolicy, make_policy
 from kvtier.agent.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
 
 NAMESPACE = "replay"
 CLIENT = "replay"
@@ -326,6 +330,21 @@ def budgets(
     return out
 
 
+def progress_bar(label: str, console: Console, quiet: bool) -> Progress:
+    """The bar replay and plan draw on stderr while they work; none when the output is
+    JSON or stderr is not a terminal."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    return Progress(
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=console,
+        disable=quiet or not console.is_terminal,
+        transient=True,
+    )
+
+
 def run(
     trace: Trace,
     sizes: Sequence[Budget],
@@ -490,7 +509,6 @@ def render(report: dict[str, Any]) -> Any:
 def main(args: Any) -> int:
     """Entry point of `kvtier replay` (flags parsed in kvtier.cli)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     err = Console(stderr=True)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
@@ -512,14 +530,7 @@ def main(args: Any) -> int:
         err.print(str(exc))
         return 2
     total = trace.requests * len(sizes) * len(policies)
-    with Progress(
-        TextColumn("replay"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        console=err,
-        disable=args.json or not err.is_terminal,
-        transient=True,
-    ) as bar:
+    with progress_bar("replay", err, quiet=args.json) as bar:
         task = bar.add_task("replay", total=total)
         report = run(trace, sizes, policies, progress=lambda n: bar.advance(task, n))
     if block_bytes:
