@@ -8,8 +8,6 @@ Runs under the vLLM environment (`make e2e`), as root (namespaces)."""
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import subprocess
 import sys
 import time
@@ -20,7 +18,7 @@ from typing import Any
 import pytest
 import zmq
 
-from e2e.test_vllm_engine import BLOCKS_PER_PROMPT, HITS, PROMPTS, REPO, kv_config
+from e2e.engines import BLOCKS_PER_PROMPT, HITS, PROMPTS, REPO, kv_config, run_engines
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.demo_engines.tiny_model import build
@@ -71,22 +69,10 @@ def node(
     )
 
 
-def engine(namespace: str, run: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
-    """One engine, inside the node's namespace."""
-    path = [p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p]
-    env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(path)}
-    proc = subprocess.run(
-        netns.run_in(namespace, sys.executable, "-m", "e2e.pd_engine", "--run", json.dumps(run)),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
-    return result
+def engine(namespace: str, run: dict[str, Any]) -> dict[str, Any]:
+    """One engine, inside the node's namespace: its outputs and cache metrics."""
+    (result,) = run_engines([run], namespace=namespace).results
+    return {"outputs": result["passes"][0], "metrics": result["metrics"]}
 
 
 @pytest.mark.skipif(netns.supported() is not None, reason=str(netns.supported()))

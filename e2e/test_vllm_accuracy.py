@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.test_vllm_engine import HITS, kv_config, run_engines
+from e2e.engines import HITS, kv_config, run_engines
 from kvtier.agent.config import AgentConfig
 from kvtier.demo_engines.tiny_model import ARCHITECTURES, build
 from kvtier.local_agent import AgentProcess

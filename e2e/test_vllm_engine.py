@@ -10,63 +10,19 @@ size) get no hits. Runs under the vLLM environment (`make e2e`).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from e2e.engines import BLOCKS_PER_PROMPT, HITS, PROMPTS, REPO, kv_config, run_engines
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.transfer_config import build_kv_transfer_config
 from kvtier.demo_engines.tiny_model import build
 from kvtier.local_agent import AgentProcess
-
-REPO = Path(__file__).resolve().parents[1]
-PROMPTS = [" ".join(f"w{(i * 7 + j * 13) % 400}" for i in range(330)) for j in range(2)]
-BLOCKS_PER_PROMPT = 330 // 32
-HITS = "vllm:external_prefix_cache_hits"
-CPU_SPEC = ("kvtier.demo_engines.cpu_spec", "CPUTestTieringSpec")
-
-
-@dataclass(frozen=True)
-class Engines:
-    results: list[dict[str, Any]]
-    log: str  # everything the engines wrote: vLLM's log lines, the plug-in's among them
-
-
-def run_engines(runs: list[dict[str, Any]], timeout: float = 900) -> Engines:
-    """The runs, one engine after another in one process (see run_engine.py)."""
-    path = [p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p]
-    env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(path)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.demo_engines.run_engine", "--runs", json.dumps(runs)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [
-        json.loads(ln.removeprefix("RESULT "))
-        for ln in proc.stdout.splitlines()
-        if ln.startswith("RESULT ")
-    ]
-    assert len(results) == len(runs)
-    return Engines(results, proc.stdout + proc.stderr)
-
-
-def kv_config(agent: AgentConfig, **extra: Any) -> dict[str, Any]:
-    """What the webhook injects (canonical layout), with the CPU test worker."""
-    config = build_kv_transfer_config(agent, cpu_bytes_to_use=4 << 20, spec=CPU_SPEC)
-    config["kv_connector_extra_config"].update(extra)
-    return config
 
 
 @pytest.fixture
