@@ -25,115 +25,133 @@ _LATENCY_BUCKETS = (
 
 class AgentMetrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.capacity_bytes = Gauge(
-            "kvtier_tier_capacity_bytes", "Bytes the tier may hold.", ["tier"], registry=r
+        self.registry = CollectorRegistry()
+        self._occupancy()
+        self._traffic()
+        self._secondary()
+        self._peers()
+
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(name, doc, labels, registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, *labels: str) -> Histogram:
+        return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def _occupancy(self) -> None:
+        """What each tier holds."""
+        self.capacity_bytes = self._gauge(
+            "kvtier_tier_capacity_bytes",
+            "Bytes the tier may hold.",
+            "tier",
         )
-        self.used_bytes = Gauge(
-            "kvtier_tier_used_bytes", "Bytes of chunks the tier holds.", ["tier"], registry=r
+        self.used_bytes = self._gauge(
+            "kvtier_tier_used_bytes", "Bytes of chunks the tier holds.", "tier"
         )
-        self.chunks = Gauge("kvtier_tier_chunks", "Chunks the tier holds.", ["tier"], registry=r)
-        self.free_slots = Gauge("kvtier_host_free_slots", "Unused pool slots.", registry=r)
-        self.leases = Gauge("kvtier_host_leases", "Leases held by clients.", registry=r)
-        self.lookups = Counter("kvtier_lookups", "Keys looked up.", registry=r)
-        self.hits = Counter("kvtier_hits", "Keys found, by tier.", ["tier"], registry=r)
-        self.misses = Counter("kvtier_misses", "Keys found on no tier.", registry=r)
-        self.evictions = Counter("kvtier_evictions", "Chunks evicted.", ["tier"], registry=r)
-        self.store_bytes = Counter(
-            "kvtier_store_bytes", "Bytes committed by clients.", ["tier"], registry=r
-        )
-        self.load_bytes = Counter(
-            "kvtier_load_bytes", "Bytes handed to clients.", ["tier"], registry=r
-        )
-        self.store_skipped = Counter(
-            "kvtier_store_skipped",
-            "Keys of store requests not written, by reason (exists, busy, full).",
-            ["reason"],
-            registry=r,
-        )
-        self.corrupt = Counter(
-            "kvtier_corrupt_chunks", "Chunks that failed verification.", ["tier"], registry=r
-        )
-        self.leases_reclaimed = Counter(
-            "kvtier_leases_reclaimed",
-            "Leases released because they expired or their client died.",
-            ["reason"],
-            registry=r,
-        )
-        self.tier_misses = Counter(
-            "kvtier_tier_misses",
-            "Keys a secondary tier was asked for and lacked.",
-            ["tier"],
-            registry=r,
-        )
-        self.promotions = Counter(
-            "kvtier_promotions",
-            "Chunks copied from a secondary tier into the pool.",
-            ["tier"],
-            registry=r,
-        )
-        self.writebacks = Counter(
-            "kvtier_writebacks",
-            "Chunks written from the pool to a secondary tier.",
-            ["tier"],
-            registry=r,
-        )
-        self.writeback_dropped = Counter(
-            "kvtier_writeback_dropped",
-            "Write-backs not done, by reason (queue_full: the tier fell behind; error).",
-            ["tier", "reason"],
-            registry=r,
-        )
-        self.tier_errors = Counter(
-            "kvtier_tier_errors", "Failed secondary-tier operations.", ["tier", "op"], registry=r
-        )
-        self.tier_seconds = Histogram(
-            "kvtier_tier_op_seconds",
-            "Duration of one secondary-tier operation (exists: per batch).",
-            ["tier", "op"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.peer_chunks = Counter(
-            "kvtier_peer_chunks",
-            "Chunks fetched from other agents, by data path (nixl, zmq).",
-            ["path"],
-            registry=r,
-        )
-        self.peer_nixl_failures = Counter(
-            "kvtier_peer_nixl_failures",
-            "NIXL connections or transfers that failed (the chunks came over ZMQ).",
-            registry=r,
-        )
-        self.peer_busy = Counter(
-            "kvtier_peer_busy", "Chunks busy holders refused to lend to this agent.", registry=r
-        )
-        self.peer_refused = Counter(
-            "kvtier_peer_refused",
-            "Chunks this agent refused to lend, its maxLentChunks being reached.",
-            registry=r,
-        )
-        self.peer_lent = Gauge(
-            "kvtier_peer_lent_slots", "Pool slots lent to other agents right now.", registry=r
-        )
-        self.refused = Counter(
-            "kvtier_requests_refused",
-            "Requests refused without effect, by op and code (not_registered, lease, invalid).",
-            ["op", "code"],
-            registry=r,
-        )
-        self.tier_healthy = Gauge(
+        self.chunks = self._gauge("kvtier_tier_chunks", "Chunks the tier holds.", "tier")
+        self.free_slots = self._gauge("kvtier_host_free_slots", "Unused pool slots.")
+        self.leases = self._gauge("kvtier_host_leases", "Leases held by clients.")
+        self.evictions = self._counter("kvtier_evictions", "Chunks evicted.", "tier")
+        self.tier_healthy = self._gauge(
             "kvtier_tier_healthy",
             "1 while a secondary tier answers; 0 after repeated failures, until a probe succeeds.",
-            ["tier"],
-            registry=r,
+            "tier",
         )
-        self.request_seconds = Histogram(
+
+    def _traffic(self) -> None:
+        """Lookups, stores and loads as clients see them."""
+        self.lookups = self._counter("kvtier_lookups", "Keys looked up.")
+        self.hits = self._counter("kvtier_hits", "Keys found, by tier.", "tier")
+        self.misses = self._counter("kvtier_misses", "Keys found on no tier.")
+        self.store_bytes = self._counter(
+            "kvtier_store_bytes", "Bytes committed by clients.", "tier"
+        )
+        self.load_bytes = self._counter("kvtier_load_bytes", "Bytes handed to clients.", "tier")
+        self.store_skipped = self._counter(
+            "kvtier_store_skipped",
+            "Keys of store requests not written, by reason (exists, busy, full).",
+            "reason",
+        )
+        self.corrupt = self._counter(
+            "kvtier_corrupt_chunks", "Chunks that failed verification.", "tier"
+        )
+        self.leases_reclaimed = self._counter(
+            "kvtier_leases_reclaimed",
+            "Leases released because they expired or their client died.",
+            "reason",
+        )
+        self.refused = self._counter(
+            "kvtier_requests_refused",
+            "Requests refused without effect, by op and code (not_registered, lease, invalid).",
+            "op",
+            "code",
+        )
+        self.request_seconds = self._histogram(
             "kvtier_request_seconds",
             "Time the agent spent on a control request.",
-            ["op"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            "op",
+        )
+
+    def _secondary(self) -> None:
+        """The secondary tiers' work behind the pool."""
+        self.tier_misses = self._counter(
+            "kvtier_tier_misses",
+            "Keys a secondary tier was asked for and lacked.",
+            "tier",
+        )
+        self.promotions = self._counter(
+            "kvtier_promotions",
+            "Chunks copied from a secondary tier into the pool.",
+            "tier",
+        )
+        self.writebacks = self._counter(
+            "kvtier_writebacks",
+            "Chunks written from the pool to a secondary tier.",
+            "tier",
+        )
+        self.writeback_dropped = self._counter(
+            "kvtier_writeback_dropped",
+            "Write-backs not done, by reason (queue_full: the tier fell behind; error).",
+            "tier",
+            "reason",
+        )
+        self.tier_errors = self._counter(
+            "kvtier_tier_errors",
+            "Failed secondary-tier operations.",
+            "tier",
+            "op",
+        )
+        self.tier_seconds = self._histogram(
+            "kvtier_tier_op_seconds",
+            "Duration of one secondary-tier operation (exists: per batch).",
+            "tier",
+            "op",
+        )
+
+    def _peers(self) -> None:
+        """The peer tier's transfers and refusals."""
+        self.peer_chunks = self._counter(
+            "kvtier_peer_chunks",
+            "Chunks fetched from other agents, by data path (nixl, zmq).",
+            "path",
+        )
+        self.peer_nixl_failures = self._counter(
+            "kvtier_peer_nixl_failures",
+            "NIXL connections or transfers that failed (the chunks came over ZMQ).",
+        )
+        self.peer_busy = self._counter(
+            "kvtier_peer_busy",
+            "Chunks busy holders refused to lend to this agent.",
+        )
+        self.peer_refused = self._counter(
+            "kvtier_peer_refused",
+            "Chunks this agent refused to lend, its maxLentChunks being reached.",
+        )
+        self.peer_lent = self._gauge(
+            "kvtier_peer_lent_slots",
+            "Pool slots lent to other agents right now.",
         )
 
     def serve(self, host: str, port: int) -> int:
