@@ -102,6 +102,20 @@ class StoreResult:
     skipped: int
 
 
+_NO_STAGING = p.StoreCode.STAGING_FULL
+
+
+def _equal_rows(keys: Sequence[bytes], rows: Sequence[Any]) -> tuple[list[Bytes], int]:
+    """The rows as byte views, and their common size: one row per key, all of one size."""
+    views = [_as_bytes(r) for r in rows]
+    if len(views) != len(keys):
+        raise ValueError("store needs one row per key")
+    nbytes = views[0].nbytes if views else 0
+    if any(v.nbytes != nbytes for v in views):
+        raise ValueError("store needs rows of equal size")
+    return views, nbytes
+
+
 def _as_bytes(row: Any) -> Bytes:
     array = np.asarray(row)
     if not array.flags.c_contiguous:
@@ -462,14 +476,9 @@ class AgentClient:
         slot's generation is checked before its copy: a lease that expired meanwhile raises
         LeaseLost.
         """
-        views = [_as_bytes(r) for r in rows]
-        if len(views) != len(keys):
-            raise ValueError("store needs one row per key")
+        views, nbytes = _equal_rows(keys, rows)
         if not views:
             return StoreResult(0, 0)
-        nbytes = views[0].nbytes
-        if any(v.nbytes != nbytes for v in views):
-            raise ValueError("store needs rows of equal size")
         stored = skipped = 0
         pending = list(range(len(keys)))
         deadline = time.monotonic() + self.timeout
@@ -494,11 +503,7 @@ class AgentClient:
                 if grant.lease:
                     ahead = (self._commit_ahead(grant.lease), grant.lease)
                 granted = sum(1 for s in grant.slots if s >= 0)
-                later = [
-                    i
-                    for i, s in zip(batch, grant.slots, strict=True)
-                    if s == p.StoreCode.STAGING_FULL
-                ]
+                later = [i for i, s in zip(batch, grant.slots, strict=True) if s == _NO_STAGING]
                 stored += granted
                 skipped += len(batch) - granted - len(later)
                 if later and not granted and ahead is None:  # others hold every staging slot
