@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
 
+    from kvtier.agent.client import AgentClient
+
 NAMESPACE = "replay"
 CLIENT = "replay"
 OPTIMAL = "optimal"
@@ -396,6 +398,39 @@ def run(
     }
 
 
+def _load_checked(
+    client: AgentClient, namespace: str, keys: list[bytes], chunk_bytes: int
+) -> tuple[int, int]:
+    """Load the hit prefix `keys`: how many rows came (up to the first that did not), and how
+    many of those differ from the bytes stored under their key."""
+    import numpy as np
+
+    from kvtier.workload import row_for
+
+    if not keys:
+        return 0, 0
+    outs = [np.empty(chunk_bytes, np.uint8) for _ in keys]
+    copied = client.load_into(namespace, keys, outs)
+    loaded = copied.index(False) if False in copied else len(keys)
+    wrong = sum(
+        1
+        for key, out in zip(keys[:loaded], outs, strict=False)
+        if not np.array_equal(out, row_for(key, chunk_bytes))
+    )
+    return loaded, wrong
+
+
+def _store_after(
+    client: AgentClient, namespace: str, keys: list[bytes], prefix: int, chunk_bytes: int
+) -> None:
+    """Store the request's chunks after its hit prefix, each naming its parent."""
+    from kvtier.workload import row_for
+
+    rest = keys[prefix:]
+    parents = [keys[prefix - 1] if prefix else None, *keys[prefix:-1]]
+    client.store(namespace, rest, [row_for(k, chunk_bytes) for k in rest], parents)
+
+
 def replay_agent(
     trace: Trace,
     endpoint: str,
@@ -409,10 +444,7 @@ def replay_agent(
     store of the rest naming each chunk's parent. The pool size, policy and secondary tiers
     are the agent's own; hits are counted by the tier that held them. A fresh namespace by
     default, so chunks of an earlier run are no hits."""
-    import numpy as np
-
     from kvtier.agent.client import AgentClient
-    from kvtier.workload import row_for
 
     namespace = namespace or f"kvtier-replay-{secrets.token_hex(4)}"
     warmup = int(trace.requests * warmup_fraction)
@@ -425,17 +457,8 @@ def replay_agent(
             start, end = trace.starts[r], trace.starts[r + 1]
             keys = [trace.keys[n] for n in trace.nodes[start:end]]
             found = client.lookup(namespace, keys)
-            prefix = found.prefix
-            if prefix:
-                outs = [np.empty(chunk_bytes, np.uint8) for _ in range(prefix)]
-                copied = client.load_into(namespace, keys[:prefix], outs)
-                loaded = copied.index(False) if False in copied else prefix
-                wrong += sum(
-                    1
-                    for k, out in zip(keys[:loaded], outs, strict=False)
-                    if not np.array_equal(out, row_for(k, chunk_bytes))
-                )
-                prefix = loaded
+            prefix, damaged = _load_checked(client, namespace, keys[: found.prefix], chunk_bytes)
+            wrong += damaged
             if r >= warmup:
                 prompt_tokens += sum(trace.tokens[start:end])
                 hit_tokens += sum(trace.tokens[start : start + prefix])
@@ -445,9 +468,7 @@ def replay_agent(
                     tier = names[found.where[i]] if found.where else "host"
                     by_tier[tier] = by_tier.get(tier, 0) + trace.tokens[start + i]
             if prefix < len(keys):
-                rest = keys[prefix:]
-                parents = [keys[prefix - 1] if prefix else None, *keys[prefix:-1]]
-                client.store(namespace, rest, [row_for(k, chunk_bytes) for k in rest], parents)
+                _store_after(client, namespace, keys, prefix, chunk_bytes)
             if progress is not None and r % 256 == 255:
                 progress(256)
         stats = client.stats()
