@@ -212,6 +212,11 @@ class AgentClient:
             return
         self.index = fresh
 
+    def disconnected(self) -> None:
+        """The agent stopped answering: the next call says hello again (a restarted agent
+        has a new pool and index)."""
+        self.hello = None
+
     def close(self) -> None:
         reporter = self._reporter
         if reporter is not None:

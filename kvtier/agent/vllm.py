@@ -16,14 +16,12 @@ turns lookups into misses and stores into dropped jobs, counted and logged once 
 
 from __future__ import annotations
 
-import bisect
 import logging
 import queue
 import sys
 import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, ClassVar
 
@@ -32,10 +30,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
-    OffloadingCounterMetadata,
     OffloadingEvent,
-    OffloadingGaugeMetadata,
-    OffloadingHistogramMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
@@ -48,29 +43,16 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
 from kvtier.agent.fingerprint import describe, engine_fingerprint, with_hash_seed
 from kvtier.agent.shm_index import digest
+from kvtier.agent.vllm_chains import PrefixChains
+from kvtier.agent.vllm_events import EventFeed
+from kvtier.agent.vllm_jobs import JobRunner
+from kvtier.agent.vllm_metrics import Metrics, Observations, metric_definitions
 
 # A child of vLLM's own logger: vLLM configures only "vllm" (its handler, format and
 # VLLM_LOGGING_LEVEL), so this is how the plug-in's lines reach a vLLM user's output.
 log = logging.getLogger("vllm.kvtier")
 
-EVENTS_POLL_SECONDS = 0.5
 FAILED_LOAD_SECONDS = 5.0  # a key whose load failed is a miss this long (no retry livelock)
-
-
-class Metrics:
-    """Names of the Prometheus series this tier adds to vLLM's."""
-
-    LOOKUPS = "vllm:kvtier_lookup_keys"
-    HITS = "vllm:kvtier_lookup_hits"
-    STORE_BYTES = "vllm:kvtier_store_bytes"
-    LOAD_BYTES = "vllm:kvtier_load_bytes"
-    STORE_SECONDS = "vllm:kvtier_store_seconds"
-    LOAD_SECONDS = "vllm:kvtier_load_seconds"
-    FAILED_JOBS = "vllm:kvtier_failed_jobs"
-    AGENT_AVAILABLE = "vllm:kvtier_agent_available"
-
-
-_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
 def engine_vllm_config(model: str) -> Any | None:
@@ -131,24 +113,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
-        return {
-            Metrics.LOOKUPS: OffloadingCounterMetadata("Chunk keys looked up in the agent."),
-            Metrics.HITS: OffloadingCounterMetadata("Chunk keys the agent held."),
-            Metrics.STORE_BYTES: OffloadingCounterMetadata("Bytes copied into the agent."),
-            Metrics.LOAD_BYTES: OffloadingCounterMetadata("Bytes copied from the agent."),
-            Metrics.STORE_SECONDS: OffloadingHistogramMetadata(
-                "Duration of one store job into the agent.", buckets=_SECONDS_BUCKETS
-            ),
-            Metrics.LOAD_SECONDS: OffloadingHistogramMetadata(
-                "Duration of one load job from the agent.", buckets=_SECONDS_BUCKETS
-            ),
-            Metrics.FAILED_JOBS: OffloadingCounterMetadata(
-                "Store or load jobs that failed (agent unavailable or refused).", ("op",)
-            ),
-            Metrics.AGENT_AVAILABLE: OffloadingGaugeMetadata(
-                "1 while the node agent answers, 0 during an outage."
-            ),
-        }
+        return metric_definitions()
 
     def __init__(
         self,
@@ -168,23 +133,11 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._rows = np.asarray(primary_kv_view).view(np.uint8)
         self._row_bytes = self._rows.shape[1]
         self._client = AgentClient(agent, timeout=timeout_seconds)
-        self._copiers = ThreadPoolExecutor(copy_threads, thread_name_prefix="kvtier-copy")
-        self._running: set[Future[None]] = set()
-        self._running_lock = threading.Lock()
-        self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        self._jobs = JobRunner(copy_threads)
         self._failed_loads: queue.SimpleQueue[list[OffloadKey]] = queue.SimpleQueue()
-        self._events: list[OffloadingEvent] | None = [] if enable_kv_events else None
-        self._events_lock = threading.Lock()
-        self._events_after = 0
-        self._events_poll: Future[None] | None = None
-        self._next_events_poll = 0.0
-        self._stats_lock = threading.Lock()
-        # Per request and KV group: the chunk keys seen at each end-token position, so a
-        # store can name each chunk's predecessor (the agent's `prefix` policy keeps the
-        # prefix tree with them).
-        self._chains: dict[str, dict[bytes, dict[int, bytes]]] = {}
-        self._chains_lock = threading.Lock()
-        self._stats: list[tuple[str, str, float, tuple[str, ...]]] = []
+        self._events = EventFeed(self.medium, self.locality) if enable_kv_events else None
+        self._observed = Observations()
+        self._chains = PrefixChains()  # each stored chunk's parent, for the prefix policy
         self._vllm_config = engine_vllm_config(offloading_spec.config.model.name)
         self._fingerprint = engine_fingerprint(
             offloading_spec.config, self._vllm_config, self._row_bytes, scope
@@ -250,7 +203,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
             client = self._connected()
             hits = client.lookup(self.namespace, [bytes(k) for k in keys], source).hits
         except AgentUnavailable as exc:
-            self._client.hello = None
+            self._client.disconnected()
             self._set_available(False, str(exc))
             return [False] * len(keys)
         self._set_available(True)
@@ -261,7 +214,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
     # --- SecondaryTierManager -------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        self._note_positions([key], req_context)
+        self._chains.note([bytes(key)], req_context)
         local = self._local_lookup(key, req_context)
         if local is not None:
             return local
@@ -297,43 +250,11 @@ class KVTierSecondaryTier(SecondaryTierManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookup.cleanup(req_context.req_id)
         self._reported.pop(req_context.req_id, None)
-        with self._chains_lock:
-            self._chains.pop(req_context.req_id, None)
-
-    def _note_positions(self, keys: Iterable[OffloadKey], req_context: Any) -> None:
-        position_of = getattr(req_context, "get_offload_key_position", None)
-        req_id = getattr(req_context, "req_id", None)
-        if position_of is None or req_id is None:
-            return
-        with self._chains_lock:
-            groups = self._chains.setdefault(req_id, {})
-            for key in keys:
-                position = position_of(key)
-                if position is not None:
-                    groups.setdefault(bytes(key[-4:]), {})[position] = bytes(key)
+        self._chains.forget(req_context.req_id)
 
     def parents_of(self, keys: list[bytes], req_context: Any) -> list[bytes | None] | None:
-        """Each key's predecessor: the key of the same request and KV group at the nearest
-        earlier position vLLM recorded, where there is one."""
-        self._note_positions([OffloadKey(k) for k in keys], req_context)
-        position_of = getattr(req_context, "get_offload_key_position", None)
-        req_id = getattr(req_context, "req_id", None)
-        if position_of is None or req_id is None:
-            return None
-        parents: list[bytes | None] = []
-        with self._chains_lock:
-            groups = self._chains.get(req_id, {})
-            ordered = {g: sorted(chain) for g, chain in groups.items()}
-            for key in keys:
-                position = position_of(OffloadKey(key))
-                group = key[-4:]
-                known = ordered.get(group)
-                if position is None or not known:
-                    parents.append(None)
-                    continue
-                i = bisect.bisect_left(known, position)
-                parents.append(groups[group][known[i - 1]] if i else None)
-        return parents if any(p is not None for p in parents) else None
+        """Each key's predecessor in its request, where vLLM recorded one (`vllm_chains`)."""
+        return self._chains.parents(keys, req_context)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         now = time.monotonic()
@@ -349,13 +270,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
             self._failed_until = {k: t for k, t in self._failed_until.items() if t > now}
         self._lookup.flush()
         self._report_lookups()
-        if (
-            self._events is not None
-            and now >= self._next_events_poll
-            and (self._events_poll is None or self._events_poll.done())
-        ):
-            self._next_events_poll = now + EVENTS_POLL_SECONDS
-            self._events_poll = self._copiers.submit(self._poll_events)
+        if self._events is not None and self._events.due(now):
+            self._events.polling(self._jobs.run_soon(self._poll_events))
 
     def _report_lookups(self) -> None:
         """The lookups answered here this step, one request each, to the agent: one
@@ -367,71 +283,39 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._client.flush_reports(block=False)  # and the bytes loaded without a lease
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self._submit(self._store, job_metadata)
+        self._jobs.submit(lambda: self._run_job(self._store, job_metadata))
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._submit(self._load, job_metadata)
+        self._jobs.submit(lambda: self._run_job(self._load, job_metadata))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        results = []
-        while True:
-            try:
-                results.append(self._finished.get_nowait())
-            except queue.Empty:
-                return results
+        results: list[JobResult] = self._jobs.finished()
+        return results
 
     def has_pending_work(self) -> bool:
-        with self._running_lock:
-            return bool(self._running)
+        return self._jobs.pending()
 
     def drain_jobs(self) -> None:
         """Wait for every copy in flight; none is ever cut short."""
-        with self._running_lock:
-            running = list(self._running)
-        wait_futures(running)
+        self._jobs.drain()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if self._events is None:
-            return []
-        with self._events_lock:
-            events, self._events = self._events, []
-        return events
+        return self._events.take() if self._events is not None else []
 
     def get_stats(self) -> Any:
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-            OffloadingConnectorStats,
-        )
-
-        with self._stats_lock:
-            observations, self._stats = self._stats, []
-        if not observations:
-            return None
-        stats = OffloadingConnectorStats()
-        for kind, name, value, labels in observations:
-            if kind == "counter":
-                stats.increase_counter(name, value, labels)
-            elif kind == "gauge":
-                stats.set_gauge(name, value, labels)
-            else:
-                stats.observe_histogram(name, value, labels)
-        return stats
+        return self._observed.stats()
 
     def shutdown(self) -> None:
         self.drain_jobs()
-        if self._events_poll is not None:
-            wait_futures([self._events_poll])
-        self._copiers.shutdown(wait=True)
+        poll = self._events.running() if self._events is not None else None
+        if poll is not None:
+            wait_futures([poll])
+        self._jobs.shutdown()
         self._lookup.shutdown()
         self._client.close()
         del self._rows  # vLLM can only unmap its buffer once no view of it is left
 
     # --- jobs (worker threads) ------------------------------------------------------------
-
-    def _submit(self, work: Any, job: TransferJob) -> None:
-        future = self._copiers.submit(self._run_job, work, job)
-        with self._running_lock:
-            self._running.add(future)
-        future.add_done_callback(self._job_done)
 
     def _run_job(self, work: Any, job: TransferJob) -> None:
         """Every job ends with a result, whatever happens: vLLM waits for it."""
@@ -443,17 +327,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
                 self._failed_loads.put(list(job.keys))
             self._job_failed(job, "load" if job.is_promotion else "store", exc)
 
-    def _job_done(self, future: Future[None]) -> None:
-        with self._running_lock:
-            self._running.discard(future)
-
     def _store(self, job: TransferJob) -> None:
         started = time.perf_counter()
         keys = [bytes(k) for k in job.keys]
         try:
             client = self._connected()
             try:
-                parents = self.parents_of(keys, job.req_context)
+                parents = self._chains.parents(keys, job.req_context)
             except Exception:  # only an eviction hint: never a reason to fail the store
                 log.debug("kvtier: no parents for store job %s", job.job_id, exc_info=True)
                 parents = None
@@ -468,7 +348,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         nbytes = result.stored * self._row_bytes
         self._record("counter", Metrics.STORE_BYTES, nbytes)
         self._record("histogram", Metrics.STORE_SECONDS, seconds)
-        self._finished.put(JobResult(job.job_id, True, None, seconds, nbytes))
+        self._jobs.finish(JobResult(job.job_id, True, None, seconds, nbytes))
 
     def _load(self, job: TransferJob) -> None:
         started = time.perf_counter()
@@ -494,37 +374,21 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._record("counter", Metrics.LOAD_BYTES, nbytes)
         self._record("histogram", Metrics.LOAD_SECONDS, seconds)
         if len(loaded) == len(keys):
-            self._finished.put(JobResult(job.job_id, True, None, seconds, nbytes))
+            self._jobs.finish(JobResult(job.job_id, True, None, seconds, nbytes))
             return
         # Evicted between lookup and load: keep what arrived, recompute the rest.
         arrived = set(loaded)
         self._failed_loads.put([k for k in keys if k not in arrived])
         self._record("counter", Metrics.FAILED_JOBS, 1, ("load",))
-        self._finished.put(JobResult(job.job_id, False, tuple(loaded) or None, seconds, nbytes))
+        self._jobs.finish(JobResult(job.job_id, False, tuple(loaded) or None, seconds, nbytes))
 
     def _poll_events(self) -> None:
-        """Fetch what the agent stored or evicted in this namespace, from every engine on
-        the node, as vLLM KV events (medium CPU)."""
+        """What the agent stored or evicted in this namespace, as vLLM KV events."""
+        assert self._events is not None
         try:
-            batch = self._connected().events(self.namespace, self._events_after)
+            self._events.poll(self._connected(), self.namespace)
         except AgentUnavailable:
             return
-        if batch.truncated:
-            log.warning("kvtier KV events fell behind the agent's log; some were lost")
-        self._events_after = batch.seq
-        new = [
-            OffloadingEvent(
-                keys=[OffloadKey(k) for k in keys],
-                medium=self.medium,
-                removed=removed,
-                locality=self.locality,
-            )
-            for keys, removed in ((batch.stored, False), (batch.evicted, True))
-            if keys
-        ]
-        if new and self._events is not None:
-            with self._events_lock:
-                self._events.extend(new)
 
     def _job_failed(self, job: TransferJob, op: str, exc: Exception) -> None:
         if isinstance(exc, AgentRefused):
@@ -532,14 +396,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
                 self._refusals.add(str(exc))
                 log.error("kvtier agent refused a %s: %s", op, exc)
         else:
-            self._client.hello = None
+            self._client.disconnected()
             self._set_available(False, str(exc))
         self._record("counter", Metrics.FAILED_JOBS, 1, (op,))
-        self._finished.put(JobResult(job.job_id, False))
+        self._jobs.finish(JobResult(job.job_id, False))
 
     def _record(self, kind: str, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
-        with self._stats_lock:
-            self._stats.append((kind, name, value, labels))
+        self._observed.record(kind, name, value, labels)
 
 
 __all__ = ["KVTierSecondaryTier", "engine_vllm_config"]
