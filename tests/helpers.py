@@ -61,3 +61,10 @@ def hold_leases(endpoint: str, nbytes: int, ready: Any) -> None:
     client.allocate(NS, [key(1000), key(1001)], nbytes)
     ready.set()
     time.sleep(600)
+
+
+def loaned_chunk(client: AgentClient, nbytes: int) -> Any:
+    """One chunk stored and sealed, and a load lease on it (the grant)."""
+    client.store(NS, [key(0)], [row(0, nbytes)])
+    wait_settled(client)
+    return client.begin_load(NS, [key(0)])

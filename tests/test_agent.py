@@ -19,7 +19,7 @@ from kvtier.agent.config import AgentConfig
 from kvtier.agent.pool import PoolMap
 from kvtier.local_agent import AgentProcess
 from tests.conftest import ROW
-from tests.helpers import NS, hold_leases, key, row, store_and_verify, wait_settled
+from tests.helpers import NS, hold_leases, key, loaned_chunk, row, store_and_verify, wait_settled
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 
@@ -164,9 +164,7 @@ def test_expired_lease_is_released(
     config = make_config({"leaseTimeoutSeconds": 0.3})
     agent_factory(config)
     with AgentClient(config.endpoint) as client:
-        client.store(NS, [key(0)], [row(0, ROW)])
-        wait_settled(client)
-        grant = client.begin_load(NS, [key(0)])
+        grant = loaned_chunk(client, ROW)
         assert grant.lease and client.stats()["leases"] == 1
         time.sleep(0.6)
         stats = client.stats()

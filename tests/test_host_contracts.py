@@ -21,7 +21,7 @@ from kvtier.agent.config import AgentConfig
 from kvtier.agent.shm_index import digests
 from kvtier.local_agent import AgentProcess
 from tests.conftest import ROW
-from tests.helpers import NS, key, row, wait_settled
+from tests.helpers import NS, key, loaned_chunk, row, wait_settled
 from tests.test_agent_tiers import wait_for
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
@@ -143,9 +143,7 @@ def test_a_load_lease_cannot_be_committed(
     config = make_config({"leaseTimeoutSeconds": 0.3})
     agent_factory(config)
     with AgentClient(config.endpoint) as client:
-        client.store(NS, [key(0)], [row(0, ROW)])
-        wait_settled(client)
-        grant = client.begin_load(NS, [key(0)])
+        grant = loaned_chunk(client, ROW)
         with pytest.raises(AgentRefused, match="load lease"):
             client.commit(grant.lease)
         client.end_load(grant.lease)
