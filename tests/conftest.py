@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig, parse_config
 from kvtier.local_agent import AgentProcess
 from kvtier.polling import port_open, wait_for
@@ -91,6 +92,17 @@ def free_port() -> int:
 
 def wait_port(port: int, timeout: float = 30.0) -> None:
     wait_for(lambda: port_open(port), timeout, f"a listener on port {port}")
+
+
+@pytest.fixture
+def short_lease_client(
+    make_config: Callable[..., AgentConfig], agent_factory: Callable[[AgentConfig], AgentProcess]
+) -> Iterator[AgentClient]:
+    """A client of an agent whose leases expire after 0.3 s."""
+    config = make_config({"leaseTimeoutSeconds": 0.3})
+    agent_factory(config)
+    with AgentClient(config.endpoint) as client:
+        yield client
 
 
 @pytest.fixture(scope="session")

@@ -158,18 +158,14 @@ def test_killed_client_does_not_leak_leases(agent: AgentProcess) -> None:
         assert result.stored == n
 
 
-def test_expired_lease_is_released(
-    make_config: Callable[..., AgentConfig], agent_factory: StartAgent
-) -> None:
-    config = make_config({"leaseTimeoutSeconds": 0.3})
-    agent_factory(config)
-    with AgentClient(config.endpoint) as client:
-        grant = loaned_chunk(client, ROW)
-        assert grant.lease and client.stats()["leases"] == 1
-        time.sleep(0.6)
-        stats = client.stats()
-        assert stats["leases"] == 0 and stats["leases_expired"] == 1
-        client.end_load(grant.lease)  # ending a lease the agent already released is harmless
+def test_expired_lease_is_released(short_lease_client: AgentClient) -> None:
+    client = short_lease_client
+    grant = loaned_chunk(client, ROW)
+    assert grant.lease and client.stats()["leases"] == 1
+    time.sleep(0.6)
+    stats = client.stats()
+    assert stats["leases"] == 0 and stats["leases_expired"] == 1
+    client.end_load(grant.lease)  # ending a lease the agent already released is harmless
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -137,19 +137,15 @@ def test_refused_allocate_and_commit_take_no_effect(agent: AgentProcess) -> None
         assert _pool_state(client) == before
 
 
-def test_a_load_lease_cannot_be_committed(
-    make_config: Callable[..., AgentConfig], agent_factory: StartAgent
-) -> None:
-    config = make_config({"leaseTimeoutSeconds": 0.3})
-    agent_factory(config)
-    with AgentClient(config.endpoint) as client:
-        grant = loaned_chunk(client, ROW)
-        with pytest.raises(AgentRefused, match="load lease"):
-            client.commit(grant.lease)
-        client.end_load(grant.lease)
-        time.sleep(0.6)  # past the lease timeout: nothing may stay pinned
-        stats = client.stats()
-        assert stats["pinned_slots"] == 0 and stats["leases"] == 0
+def test_a_load_lease_cannot_be_committed(short_lease_client: AgentClient) -> None:
+    client = short_lease_client
+    grant = loaned_chunk(client, ROW)
+    with pytest.raises(AgentRefused, match="load lease"):
+        client.commit(grant.lease)
+    client.end_load(grant.lease)
+    time.sleep(0.6)  # past the lease timeout: nothing may stay pinned
+    stats = client.stats()
+    assert stats["pinned_slots"] == 0 and stats["leases"] == 0
 
 
 class _SlowReader(AgentClient):
