@@ -84,8 +84,8 @@ def _store(timed: _Timed, rng: random.Random, counts: dict[str, int]) -> None:
         time.sleep(LEASE_SECONDS + 0.5)  # a descheduled writer: it copies after its lease
         counts["late_writers"] += 1
     for j, i in enumerate(ids):
-        if grant.slots[j] >= 0:
-            np.copyto(client.slot(grant.slots[j], size(i)), chunk(i))
+        if grant.slots[j] >= 0:  # into the staging area; the agent copies it into the pool
+            np.copyto(client.staging_slot(grant.staging[j], size(i)), chunk(i))
     if grant.lease:
         timed(client.commit, grant.lease)
         counts["stored"] += sum(s >= 0 for s in grant.slots)

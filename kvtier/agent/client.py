@@ -86,7 +86,7 @@ class LookupResult:
 @dataclass(frozen=True)
 class Grant:
     """Slots granted for a store or a load: `slots[i]` is a slot number, or negative when
-    key i is not to be copied (see kvtier.agent.index for the codes); `generations[i]` the
+    key i is not to be copied (`protocol.StoreCode` and `Where`); `generations[i]` the
     stamp slot i keeps while the grant holds."""
 
     lease: int
