@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from kvtier.csi.messages import SERVICES, message
 from kvtier.csi.mounts import mount_at
-from kvtier.csi.server import NodePlugin, serve
-from kvtier.csi.volumes import HEADROOM, Volumes
+from kvtier.csi.server import NodePlugin, serve, tier_volume_bytes
+from kvtier.csi.volumes import Volumes
 from kvtier.kube import KVCacheTier, to_object
 from kvtier.operator.names import tier_group
 from tests.kube_api import KubeAPI
@@ -29,7 +30,13 @@ from tests.kube_api import KubeAPI
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="mounting tmpfs and bind mounts needs root (CI runs as root)"
 )
-TIERS = {("team-a", "llama"): "32Mi", ("team-b", "llama"): "16Mi", ("team-b", "qwen"): "8Mi"}
+TIERS = {
+    ("team-a", "llama"): "32Mi",
+    ("team-b", "llama"): "16Mi",
+    ("team-b", "qwen"): "8Mi",
+    ("team-c", "big"): "256Mi",
+}
+CHUNK_SIZES = {("team-c", "big"): "64Ki"}  # the others use the default, 2Mi
 
 
 @dataclass
@@ -89,7 +96,12 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Node]:
                     "apiVersion": "kvtier.io/v1alpha1",
                     "kind": "KVCacheTier",
                     "metadata": {"name": name, "namespace": namespace},
-                    "spec": {"host": {"capacity": capacity}},
+                    "spec": {
+                        "host": {
+                            "capacity": capacity,
+                            "chunkSize": CHUNK_SIZES.get((namespace, name), "2Mi"),
+                        }
+                    },
                 },
             )
         pods = base / "kubelet/pods"
@@ -131,7 +143,7 @@ def test_publish_gives_the_pod_its_tiers_tmpfs_sized_and_grouped_from_the_tier(
     mounted = mount_at(target)
     assert mounted is not None and mounted.fstype == "tmpfs"
     stat = os.statvfs(target)
-    assert stat.f_blocks * stat.f_frsize == (32 << 20) + HEADROOM
+    assert stat.f_blocks * stat.f_frsize == tier_volume_bytes(32 << 20, 2 << 20)
     gid = tier_group("team-a", "llama")
     for path in (target, target / "pool", target / "run"):
         info = path.stat()
@@ -172,7 +184,7 @@ def test_a_pod_gets_only_its_own_namespaces_tiers(
 def test_size_and_group_come_from_the_tier_not_from_volume_attributes(node: Node) -> None:
     target = node.publish("pod-1", "team-b", "qwen", size="1Ti", gid="0", group="0")
     stat = os.statvfs(target)
-    assert stat.f_blocks * stat.f_frsize == (8 << 20) + HEADROOM
+    assert stat.f_blocks * stat.f_frsize == tier_volume_bytes(8 << 20, 2 << 20)
     assert target.stat().st_gid == tier_group("team-b", "qwen")
 
 
@@ -263,7 +275,7 @@ def test_a_resized_tier_is_remounted_with_its_new_size(node: Node) -> None:
     )
     node.publish("pod-2", "team-a", "llama")
     stat = os.statvfs(target)
-    assert stat.f_blocks * stat.f_frsize == (48 << 20) + HEADROOM
+    assert stat.f_blocks * stat.f_frsize == tier_volume_bytes(48 << 20, 2 << 20)
 
 
 def _as(uid: int, groups: list[int], code: str) -> subprocess.CompletedProcess[str]:
@@ -298,3 +310,22 @@ def test_any_uid_with_the_tiers_group_works_and_no_other(node: Node, uid: int) -
         uid, [tier_group("team-b", "llama")], f"import os; os.listdir({str(mine / 'run')!r})"
     )
     assert other.returncode != 0 and "PermissionError" in other.stderr
+
+
+def test_an_agent_using_the_whole_capacity_fits_its_volume(node: Node) -> None:
+    """The volume holds the pool, its staging area and its published index (all allocated
+    at start), not just the pool: an agent whose pool is the tier's whole capacity passes
+    its runtime checks in it, starts and stores."""
+    from kvtier.agent.client import AgentClient
+    from kvtier.agent.runtime_checks import check_runtime
+    from kvtier.csi.volumes import HEADROOM
+    from kvtier.local_agent import AgentProcess, scratch_config
+
+    assert tier_volume_bytes(256 << 20, 64 << 10) > (256 << 20) + HEADROOM  # staging, index
+    target = node.publish("pod-9", "team-c", "big")
+    config = scratch_config(target, "big", "256Mi", "64Ki")
+    check_runtime(config)
+    with AgentProcess(config), AgentClient(config.endpoint) as client:
+        rows = [np.full(64 << 10, i, np.uint8) for i in range(200)]
+        result = client.store("ns", [b"key-%d" % i for i in range(200)], rows)
+        assert result.stored == 200

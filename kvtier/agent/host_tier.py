@@ -41,7 +41,7 @@ from kvtier.agent.index import Entry, HostIndex
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
 from kvtier.agent.pool import create_or_reuse, create_staging, staging_path
-from kvtier.agent.pool_layout import PoolGeometry, slot_payload_bytes
+from kvtier.agent.pool_layout import PoolGeometry, slot_payload_bytes, staging_slots
 from kvtier.agent.protocol import StoreCode
 from kvtier.agent.shm_index import TableWriter, index_path
 
@@ -57,15 +57,7 @@ _SKIP_REASONS = {
     StoreCode.FULL: "full",
     StoreCode.STAGING_FULL: "staging",
 }
-STAGING_BYTES = 64 << 20  # the staging area: stores in flight at once, node-wide
 COPY_BLOCK = 256 << 10  # copied then hashed while in cache
-
-
-def staging_slots(slot_count: int, payload_bytes: int) -> int:
-    """Slots of the staging area: STAGING_BYTES, at least two and at most half the pool (a
-    small pool's stores are small); a store round stages at most half of them, and each
-    round costs two round trips, so fewer would slow stores of many chunks."""
-    return max(2, min(max(1, slot_count // 2), STAGING_BYTES // payload_bytes))
 
 
 class HostTier:

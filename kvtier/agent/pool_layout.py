@@ -56,3 +56,40 @@ class PoolGeometry:
         if magic != POOL_MAGIC or version != POOL_VERSION or header != SLOT_HEADER_BYTES:
             return None
         return cls(payload_bytes=payload, slot_count=slots)
+
+
+# --- the files beside the pool, on the same filesystem ------------------------------------
+
+STAGING_BYTES = 64 << 20  # the staging area: stores in flight at once, node-wide
+INDEX_SPARE = 1024  # index positions past the last home: probes run into them, never wrap
+
+
+def staging_slots(slot_count: int, payload_bytes: int) -> int:
+    """Slots of the staging area: STAGING_BYTES, at least two and at most half the pool (a
+    small pool's stores are small); a store round stages at most half of them, and each
+    round costs two round trips, so fewer would slow stores of many chunks."""
+    return max(2, min(max(1, slot_count // 2), STAGING_BYTES // payload_bytes))
+
+
+def index_capacity(slot_count: int) -> int:
+    """Positions of the published index: a power of two at least twice the slots."""
+    return max(16, 1 << max(0, 2 * slot_count - 1).bit_length())
+
+
+def index_array_bytes(positions: int) -> int:
+    return -(-positions * 8 // PAGE) * PAGE
+
+
+def index_file_bytes(capacity: int) -> int:
+    """The published index's file: a header page and three arrays of 8-byte entries."""
+    return PAGE + 3 * index_array_bytes(capacity + INDEX_SPARE)
+
+
+def tier_files_bytes(geometry: PoolGeometry) -> int:
+    """The pool, its staging area and its published index: what the pool's filesystem (the
+    tier's volume) must hold."""
+    staging = PoolGeometry(
+        geometry.payload_bytes, staging_slots(geometry.slot_count, geometry.payload_bytes)
+    )
+    index = index_file_bytes(index_capacity(geometry.slot_count))
+    return geometry.file_bytes + staging.file_bytes + index

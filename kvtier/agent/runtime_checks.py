@@ -11,8 +11,9 @@ import tempfile
 from pathlib import Path
 
 from kvtier.agent.config import AgentConfig, ConfigError
-from kvtier.agent.pool import reusable
-from kvtier.agent.pool_layout import PoolGeometry, slot_payload_bytes
+from kvtier.agent.pool import reusable, staging_path
+from kvtier.agent.pool_layout import PoolGeometry, slot_payload_bytes, tier_files_bytes
+from kvtier.agent.shm_index import index_path
 from kvtier.agent.units import format_bytes
 
 
@@ -30,25 +31,37 @@ def _check_writable_dir(field: str, directory: Path) -> str | None:
     return None
 
 
+def _allocated(path: Path) -> int:
+    try:
+        return path.stat().st_blocks * 512
+    except OSError:
+        return 0
+
+
 def _check_pool_fits(config: AgentConfig) -> str | None:
     """A pool file larger than the free space of its filesystem maps fine and then kills
-    whoever touches a page the filesystem cannot supply (SIGBUS): refuse to start instead."""
+    whoever touches a page the filesystem cannot supply (SIGBUS): refuse to start instead.
+    The staging area and the published index live beside the pool and count too."""
     host = config.host
     geometry = PoolGeometry(slot_payload_bytes(host.chunk_bytes), host.slot_count)
+    needed = tier_files_bytes(geometry)
+    pool = config.pool_path
     try:
         st = os.statvfs(host.pool_dir)
-        free = st.f_bavail * st.f_frsize
-        if reusable(config.pool_path, geometry):
-            free += config.pool_path.stat().st_blocks * 512  # already allocated to the pool
     except OSError:
         return None  # the writable-directory check reports it
-    if free >= geometry.file_bytes:
+    free = st.f_bavail * st.f_frsize
+    free += _allocated(staging_path(pool)) + _allocated(index_path(pool))  # made afresh
+    if reusable(pool, geometry):
+        free += _allocated(pool)  # already allocated to the pool
+    if free >= needed:
         return None
     return (
-        f"host.capacity ({format_bytes(host.capacity)}, a pool file of "
-        f"{format_bytes(geometry.file_bytes)}) does not fit in host.poolDir {host.pool_dir}: "
-        f"its filesystem has {format_bytes(free)} free; fix: lower host.capacity or give the "
-        "pool's filesystem more room (the tier's volume size, or the pod's /dev/shm)"
+        f"host.capacity ({format_bytes(host.capacity)}: a pool file of "
+        f"{format_bytes(geometry.file_bytes)}, {format_bytes(needed)} with its staging area "
+        f"and index) does not fit in host.poolDir {host.pool_dir}: its filesystem has "
+        f"{format_bytes(free)} free; fix: lower host.capacity or give the pool's filesystem "
+        "more room (the tier's volume size, or the pod's /dev/shm)"
     )
 
 

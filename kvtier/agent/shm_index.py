@@ -56,11 +56,17 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.agent.pool_layout import (
+    INDEX_SPARE,
+    index_array_bytes,
+    index_capacity,
+    index_file_bytes,
+)
+
 PAGE = 4096
 MAGIC = b"KVTSHIX1"
 VERSION = 1
 WINDOW = 16  # positions read per key per probe round
-SPARE = 1024  # positions past the last home: probes run into them instead of wrapping
 _HEADER = struct.Struct("<8sIIQQQ")  # magic, version, window, capacity, positions, boot
 MOVES_OFFSET = 64  # u64: odd while the agent shifts entries
 RETIRED_OFFSET = 72  # u64: nonzero once a newer agent process replaced this table
@@ -76,18 +82,6 @@ U64 = npt.NDArray[np.uint64]
 def index_path(pool_path: Path) -> Path:
     """Where the table of the pool at `pool_path` lives (clients derive it the same way)."""
     return pool_path.with_name(pool_path.name + ".index")
-
-
-def table_capacity(slot_count: int) -> int:
-    return max(16, 1 << max(0, 2 * slot_count - 1).bit_length())
-
-
-def table_bytes(capacity: int) -> int:
-    return PAGE + 3 * _array_bytes(capacity + SPARE)
-
-
-def _array_bytes(positions: int) -> int:
-    return -(-positions * 8 // PAGE) * PAGE
 
 
 # --- digests ------------------------------------------------------------------------------
@@ -217,9 +211,9 @@ class _Mapped:
                 )
             if magic != MAGIC or version != VERSION or window != WINDOW:
                 raise ValueError(f"{path} is not a kvtier index of format {VERSION}")
-            if positions != capacity + SPARE or capacity & (capacity - 1):
+            if positions != capacity + INDEX_SPARE or capacity & (capacity - 1):
                 raise ValueError(f"{path} has an inconsistent geometry")
-            size = table_bytes(capacity)
+            size = index_file_bytes(capacity)
             if os.fstat(fd).st_size < size:
                 raise ValueError(f"{path} is shorter than its geometry")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
@@ -230,7 +224,7 @@ class _Mapped:
         self.capacity: int = capacity
         self.positions: int = positions
         self.boot: int = boot
-        step = _array_bytes(positions)
+        step = index_array_bytes(positions)
         self.header: U64 = np.ndarray((PAGE // 8,), "<u8", self.mmap, 0)
         self.meta: U64 = np.ndarray((positions,), "<u8", self.mmap, PAGE)
         self.digest: U64 = np.ndarray((positions,), "<u8", self.mmap, PAGE + step)
@@ -260,14 +254,16 @@ class TableWriter:
     """
 
     def __init__(self, path: Path, slot_count: int, boot: int, mode: int = 0o640) -> None:
-        capacity = table_capacity(slot_count)
+        capacity = index_capacity(slot_count)
         retire(path)
         tmp = path.with_name(path.name + ".new")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode)
         try:
             os.fchmod(fd, mode)  # the umask must not widen or narrow it
-            os.posix_fallocate(fd, 0, table_bytes(capacity))
-            os.pwrite(fd, _HEADER.pack(MAGIC, VERSION, WINDOW, capacity, capacity + SPARE, boot), 0)
+            os.posix_fallocate(fd, 0, index_file_bytes(capacity))
+            os.pwrite(
+                fd, _HEADER.pack(MAGIC, VERSION, WINDOW, capacity, capacity + INDEX_SPARE, boot), 0
+            )
         finally:
             os.close(fd)
         lock_fd = os.open(tmp, os.O_RDONLY)
@@ -290,9 +286,9 @@ class TableWriter:
         self.entries = 0
         self.collisions = 0  # chunks not published because their digest was taken
         self._mask = capacity - 1
-        self._limit = capacity + SPARE
+        self._limit = capacity + INDEX_SPARE
         words = memoryview(self._map.mmap).cast("Q")
-        step = _array_bytes(capacity + SPARE) // 8
+        step = index_array_bytes(capacity + INDEX_SPARE) // 8
         base = PAGE // 8
         self._header = words[:base]
         self._meta = words[base : base + step]
@@ -400,7 +396,7 @@ class TableReader:
             m.digest, (m.positions - WINDOW + 1, WINDOW), (8, 8), writeable=False
         )
         self._words = memoryview(m.mmap).cast("Q")
-        step = _array_bytes(m.positions) // 8
+        step = index_array_bytes(m.positions) // 8
         self._meta_at = PAGE // 8
         self._digest_at = self._meta_at + step
         self._gen_at = self._meta_at + 2 * step

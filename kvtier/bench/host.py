@@ -233,7 +233,8 @@ def index_footprint_and_rate(entries: int, batch: int = 1024) -> dict[str, float
 
     from kvtier.agent.index import HostIndex
     from kvtier.agent.policy import make_policy
-    from kvtier.agent.shm_index import TableReader, TableWriter, digests, table_bytes
+    from kvtier.agent.pool_layout import index_file_bytes
+    from kvtier.agent.shm_index import TableReader, TableWriter, digests
 
     directory = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
     path = directory / "bench.pool.index"
@@ -254,7 +255,7 @@ def index_footprint_and_rate(entries: int, batch: int = 1024) -> dict[str, float
         for q in queries:
             reader.find(digests(NS, q))
         rate = sum(len(q) for q in queries) / (time.perf_counter() - started)
-        table_per_entry = table_bytes(writer.capacity) / entries
+        table_per_entry = index_file_bytes(writer.capacity) / entries
         reader.close()
         writer.close()
     finally:

@@ -19,6 +19,12 @@ from typing import Any, Protocol
 import grpc
 
 import kvtier
+from kvtier.agent.pool_layout import (
+    PoolGeometry,
+    pool_slot_count,
+    slot_payload_bytes,
+    tier_files_bytes,
+)
 from kvtier.agent.units import parse_bytes
 from kvtier.csi.messages import PACKAGE, SERVICES, message
 from kvtier.csi.volumes import HEADROOM, TierVolume, Volumes
@@ -94,8 +100,18 @@ def tier_volume(tiers: Tiers, context: dict[str, str]) -> TierVolume:
             f"KVCacheTier {namespace}/{name} not found: a pod mounts only tiers of its own "
             "namespace",
         )
-    size = parse_bytes(tier["spec"]["host"]["capacity"]) + HEADROOM
+    host = tier["spec"]["host"]
+    size = tier_volume_bytes(
+        parse_bytes(host["capacity"]), parse_bytes(host.get("chunkSize", "2Mi"))
+    )
     return TierVolume(tier_dir(namespace, name), size, tier_group(namespace, name))
+
+
+def tier_volume_bytes(capacity: int, chunk_bytes: int) -> int:
+    """The size of a tier's volume: its pool, staging area and published index, and room for
+    the socket, lock files and a pool being re-created."""
+    geometry = PoolGeometry(slot_payload_bytes(chunk_bytes), pool_slot_count(capacity, chunk_bytes))
+    return tier_files_bytes(geometry) + HEADROOM
 
 
 class NodePlugin:
