@@ -20,7 +20,7 @@ from pathlib import Path
 
 VERSION = "0.33.0"
 ROOTS = ("vllm/v1/kv_offload/",)
-PLUGIN_FILES = ("kvtier/agent/vllm.py", "kvtier/agent/fingerprint.py")
+PLUGIN_FILES = ("kvtier/agent/vllm*.py", "kvtier/agent/fingerprint.py")  # the parts using vLLM
 COMPLETE = ".complete"
 
 
@@ -76,8 +76,9 @@ def _wheel(cache: Path) -> Path:
 
 def main(target: Path, repo: Path) -> None:
     seeds: set[str] = set()
-    for plugin in PLUGIN_FILES:
-        seeds |= _vllm_imports((repo / plugin).read_bytes(), "kvtier.agent")
+    for pattern in PLUGIN_FILES:
+        for plugin in sorted(repo.glob(pattern)):
+            seeds |= _vllm_imports(plugin.read_bytes(), "kvtier.agent")
     target.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(_wheel(target.with_name(target.name + ".wheel"))) as wheel:
         keep = _selection(wheel, seeds)

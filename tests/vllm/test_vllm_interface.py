@@ -25,6 +25,12 @@ REPO = Path(__file__).resolve().parents[2]
 INTERFACE = Path(os.environ.get("KVTIER_VLLM_INTERFACE", REPO / ".venv-vllm" / "vllm-interface"))
 PLUGIN = REPO / "kvtier" / "agent" / "vllm.py"
 FINGERPRINT = REPO / "kvtier" / "agent" / "fingerprint.py"
+# every module of the plug-in that imports vLLM: vllm.py and its parts, and the fingerprint
+VLLM_USERS = [
+    path
+    for path in [*sorted(PLUGIN.parent.glob("vllm*.py")), FINGERPRINT]
+    if "from vllm" in path.read_text() or "import vllm" in path.read_text()
+]
 
 
 def parse(path: Path) -> ast.Module:
@@ -141,7 +147,12 @@ def test_constructor_accepts_what_the_factory_and_the_injected_config_pass(
     assert set(required) <= passed
 
 
-@pytest.mark.parametrize("source", [PLUGIN, FINGERPRINT], ids=lambda p: p.name)
+def test_every_part_of_the_plugin_that_uses_vllm_is_checked() -> None:
+    names = {path.name for path in VLLM_USERS}
+    assert {"vllm.py", "vllm_events.py", "vllm_metrics.py", "fingerprint.py"} <= names
+
+
+@pytest.mark.parametrize("source", VLLM_USERS, ids=lambda p: p.name)
 def test_names_imported_from_vllm_exist_there(source: Path) -> None:
     imports = list(vllm_imports(parse(source)))
     assert imports
@@ -153,7 +164,7 @@ def test_names_imported_from_vllm_exist_there(source: Path) -> None:
         )
 
 
-@pytest.mark.parametrize("source", [PLUGIN, FINGERPRINT], ids=lambda p: p.name)
+@pytest.mark.parametrize("source", VLLM_USERS, ids=lambda p: p.name)
 def test_attributes_of_imported_vllm_modules_exist_there(source: Path) -> None:
     """`from vllm import config as m` ... `m.VllmConfig`: the attribute is checked too
     (a getattr with a default is the plug-in's guard for names older versions lack)."""
