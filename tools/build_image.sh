@@ -88,6 +88,7 @@ rootfs() {
   site=$(chroot "$root" /opt/kvtier/venv/bin/python -c 'import kvtier, os; print(os.path.dirname(kvtier.__file__))')
   mkdir -p "$root/opt/kvtier/plugin"
   cp -r "$root$site" "$root/opt/kvtier/plugin/"
+  rm -rf "$root/opt/kvtier/plugin/kvtier/demo_engines"  # the demo's, never a vLLM pod's
   chroot "$root" /usr/sbin/groupadd --gid 65532 kvtier
   chroot "$root" /usr/sbin/useradd --uid 65532 --gid 65532 --no-create-home \
     --shell /usr/sbin/nologin kvtier

@@ -220,7 +220,10 @@ def _plugin_payload(image: str) -> None:
         {
             node.module
             for node in ast.walk(ast.parse(found.stdout))
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvtier")
+            if isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith("kvtier")
+            # the plug-in's own parts import vLLM itself, which only a vLLM image has
+            and not (node.module or "").startswith("kvtier.agent.vllm")
         }
     )
     code = (
@@ -236,6 +239,10 @@ def _plugin_payload(image: str) -> None:
         run.returncode == 0,
         run.stderr.strip()[-300:],
     )
+    demo = podman(
+        "run", "--rm", "--entrypoint", "ls", image, "/opt/kvtier/plugin/kvtier/demo_engines"
+    )
+    check("the demo's engines are not in the plug-in payload", demo.returncode != 0)
 
 
 def verify_archive(path: Path, version: str, revision: str) -> None:
