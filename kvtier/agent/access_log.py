@@ -22,8 +22,9 @@ export). With one system prompt in front of every request, sample at 1 (the defa
 
 The log is bounded by the number of keys it holds; the oldest requests are dropped first and
 counted, so an export says how much it lost. Recording a request is O(its keys) and takes
-the log's own lock, never the index's: callers are the agent's request loop today, and
-batched reports of lookups answered elsewhere later (`record_request` is the whole API).
+the log's own lock, never the index's: callers are the agent's request loop, for lookups it
+answers and for the batched reports of lookups clients answered from the published index
+(`record_request` is the whole API).
 """
 
 from __future__ import annotations

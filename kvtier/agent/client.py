@@ -1,8 +1,9 @@
 """The client side of the node agent: what the vLLM plug-in and tools use.
 
 Control messages go over the agent's ipc socket; chunk bytes are copied by this process
-straight between its own buffers and the shared pool (numpy copies release the GIL, so
-several threads copy in parallel). Imports only numpy, pyzmq and msgspec, which vLLM has.
+from its own buffers into the agent's staging area (the agent copies them into the pool at
+commit) and straight out of the pool, which it maps read-only (numpy copies release the GIL,
+so several threads copy in parallel). Imports only numpy, pyzmq and msgspec, which vLLM has.
 
 Every call either answers within `timeout` or raises AgentUnavailable; the caller turns that
 into a cache miss. After a timeout the socket is rebuilt, so a late reply from a stalled

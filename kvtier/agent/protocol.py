@@ -185,7 +185,7 @@ class LookupReply(msgspec.Struct, tag="lookup_reply"):
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply"):
-    """Answer to Allocate and BeginLoad: a slot per key, or a negative code (see index.py).
+    """Answer to Allocate and BeginLoad: a slot per key, or a negative code (`StoreCode`, `Where`).
     `lease` is 0 when no slot was granted. `generations[i]` is the stamp slot i carries while
     the grant holds (see pool.py): a reader whose copy ends with another stamp in the slot
     copied bytes that were no longer its chunk's."""

@@ -79,7 +79,7 @@ def check_runtime(config: AgentConfig) -> None:
 
     problems += [
         f"tiers[{i}].peer.dataPath is 'nixl' but NIXL is not installed: install nixl-cu12 "
-        "(`make .venv` does) or set dataPath to 'auto' or 'zmq'"
+        "(`make test` does) or set dataPath to 'auto' or 'zmq'"
         for i, t in enumerate(config.tiers)
         if t.peer is not None and t.peer.data_path == "nixl" and not nixl_path.available()
     ]

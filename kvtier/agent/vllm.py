@@ -8,9 +8,9 @@ Nothing blocks the scheduler: a key the node's pool holds is a HIT in the same s
 found in the index the agent publishes in shared memory (and so is a MISS when the agent has
 no secondary tiers); the keys looked up that way reach the agent once per step in one one-way
 report. Other lookups are batched into one agent round trip per scheduler step on vLLM's
-async-lookup thread (answering RETRY until the batch returns), and stores and
-loads copy rows between vLLM's primary host buffer and the agent's shared pool on worker
-threads, reporting through `get_finished_jobs`. An agent that is unreachable or restarting
+async-lookup thread (answering RETRY until the batch returns), and stores (into the agent's
+staging area) and loads (out of the pool) copy rows of vLLM's primary host buffer on worker
+threads (`vllm_jobs`), reporting through `get_finished_jobs`. An agent that is unreachable or restarting
 turns lookups into misses and stores into dropped jobs, counted and logged once per outage.
 """
 
