@@ -10,8 +10,9 @@ no secondary tiers); the keys looked up that way reach the agent once per step i
 report. Other lookups are batched into one agent round trip per scheduler step on vLLM's
 async-lookup thread (answering RETRY until the batch returns), and stores (into the agent's
 staging area) and loads (out of the pool) copy rows of vLLM's primary host buffer on worker
-threads (`vllm_jobs`), reporting through `get_finished_jobs`. An agent that is unreachable or restarting
-turns lookups into misses and stores into dropped jobs, counted and logged once per outage.
+threads (`vllm_jobs`), reporting through `get_finished_jobs`. An agent that is unreachable or
+restarting turns lookups into misses and stores into dropped jobs, counted and logged once
+per outage.
 """
 
 from __future__ import annotations
