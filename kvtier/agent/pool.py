@@ -20,17 +20,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.agent.pool_layout import (
-    PAGE as PAGE,
-)
-from kvtier.agent.pool_layout import (
     POOL_VERSION,
     SLOT_HEADER_BYTES,
     STAMP_OFFSET,
     SUPERBLOCK,
     PoolGeometry,
-)
-from kvtier.agent.pool_layout import (
-    slot_payload_bytes as slot_payload_bytes,
 )
 
 Bytes = npt.NDArray[np.uint8]

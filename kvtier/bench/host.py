@@ -27,7 +27,8 @@ from rich.progress import Progress
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.pool import PAGE, Bytes
+from kvtier.agent.pool import Bytes
+from kvtier.agent.pool_layout import PAGE
 from kvtier.bench.baseline import memcpy_rows, run_threads, shared_buffer, tmpfs_buffer
 from kvtier.local_agent import AgentProcess, scratch_config
 

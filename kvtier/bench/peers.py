@@ -25,7 +25,7 @@ import numpy as np
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
-from kvtier.agent.pool import PAGE
+from kvtier.agent.pool_layout import PAGE
 from kvtier.agent.tiers.nixl_path import available
 from kvtier.agent.tiers.peer_wire import write_keys
 from kvtier.bench import netns
