@@ -66,6 +66,34 @@ def test_shipped_crds_pass(path: Path) -> None:
     assert check_crd(yaml.safe_load(path.read_text())) == []
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML as kubectl (sigs.k8s.io/yaml) and Helm read it: a key twice in one mapping is an
+    error ("mapping key already defined"), where PyYAML keeps the last silently."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+        repeated = {k for k in keys if keys.count(k) > 1}
+        if repeated:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"mapping key {sorted(repeated)} already defined", node.start_mark
+            )
+        return super().construct_mapping(node, deep=deep)
+
+
+REPO = Path(__file__).resolve().parent.parent
+YAML_FILES = [*CRDS, *sorted((REPO / "charts" / "kvtier").glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=[p.name for p in YAML_FILES])
+def test_no_key_is_defined_twice(path: Path) -> None:
+    list(yaml.load_all(path.read_text(), Loader=_StrictLoader))
+
+
+def test_a_key_defined_twice_is_refused() -> None:
+    with pytest.raises(yaml.constructor.ConstructorError, match="already defined"):
+        yaml.load("a:\n  b: 1\na:\n  c: 2\n", Loader=_StrictLoader)
+
+
 def test_crds_the_chart_renders_pass() -> None:
     rendered = [o for o in render() if o["kind"] == "CustomResourceDefinition"]
     assert len(rendered) == len(CRDS)
