@@ -105,7 +105,7 @@ def test_rbac_is_least_privilege() -> None:
     secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
     # Secrets are read by name and created (a peer tier's CURVE keys), never listed,
     # watched, updated or deleted.
-    assert secrets and all(set(r["verbs"]) <= {"get", "create", "patch"} for r in secrets)
+    assert secrets and all(set(r["verbs"]) <= {"get", "create"} for r in secrets)
     csi = by_kind(render(), "ClusterRole", "kv-kvtier-csi")
     assert csi["rules"] == [
         {"apiGroups": ["kvtier.io"], "resources": ["kvcachetiers"], "verbs": ["get", "list"]}

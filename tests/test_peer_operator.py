@@ -55,7 +55,7 @@ def test_a_peer_tier_without_a_key_secret_gets_one_made_for_it() -> None:
     config = build_agent_config(tier, SETTINGS)
     assert config.tiers[0].peer is not None
     assert str(config.tiers[0].peer.curve_key_dir) == "/etc/kvtier/curve/peers"
-    assert generated_curve_secrets(tier) == [("peers", "kvtier-llama-peers-curve")]
+    assert generated_curve_secrets(tier) == ["kvtier-llama-peers-curve"]
     volume = curve_volume(tier)["secret"]
     # every key of the Secret: trusted.keys appears when a rotation adds it
     assert volume["secretName"] == "kvtier-llama-peers-curve" and "items" not in volume
@@ -105,3 +105,26 @@ def test_the_key_secret_is_created_once_and_never_overwritten(
         assert status == 200
         actions, after = asyncio.run(reconcile(tier))
         assert actions == [] and after is not None and after["data"]["trusted.keys"] == "bmV3"
+
+
+def test_a_spec_that_cannot_be_rendered_creates_no_secret(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The config error is raised before anything is written, the key Secret included."""
+    from kvtier.agent.config import ConfigError
+    from kvtier.operator.reconcile import ensure_children
+
+    async def reconcile(tier: dict[str, Any]) -> dict[str, Any] | None:
+        client = AsyncClient(field_manager=FIELD_MANAGER)
+        try:
+            with pytest.raises(ConfigError, match=r"host\.chunkBytes"):
+                await ensure_children(client, tier, SETTINGS)
+            return await fetch(client, "v1", "Secret", NS, "kvtier-llama-peers-curve")
+        finally:
+            await client.close()
+
+    with KubeAPI(tmp_path) as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+        tier = peer_tier()
+        tier["spec"]["host"] = {"capacity": "1Mi", "chunkSize": "2Mi"}  # no slot fits
+        assert asyncio.run(reconcile(tier)) is None

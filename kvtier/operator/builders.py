@@ -190,10 +190,10 @@ def curve_secret(tier: Manifest, entry: Manifest) -> str:
     return named or curve_secret_name(tier["metadata"]["name"], entry["name"])
 
 
-def generated_curve_secrets(tier: Manifest) -> list[tuple[str, str]]:
-    """(tier entry, Secret name) of the peer tiers whose spec names no key Secret."""
+def generated_curve_secrets(tier: Manifest) -> list[str]:
+    """The Secret names of the peer tiers whose spec names no key Secret."""
     return [
-        (entry["name"], curve_secret(tier, entry))
+        curve_secret(tier, entry)
         for entry in tier["spec"].get("tiers", [])
         if "peer" in entry and "curveKeySecret" not in entry["peer"]
     ]

@@ -82,11 +82,16 @@ async def ensure_curve_secrets(client: AsyncClient, tier: Manifest) -> list[str]
     is left as it is."""
     actions = []
     namespace = tier["metadata"]["namespace"]
-    for _, name in generated_curve_secrets(tier):
+    for name in generated_curve_secrets(tier):
         if await fetch(client, "v1", "Secret", namespace, name) is None:
             public, secret = zmq.curve_keypair()
             manifest = build_curve_secret(tier, name, public, secret)
-            await client.apply(to_object(manifest), field_manager=FIELD_MANAGER, force=True)
+            try:  # create, never overwrite: a Secret made meanwhile keeps its keys
+                await client.create(to_object(manifest), field_manager=FIELD_MANAGER)
+            except ApiError as exc:
+                if exc.status.code != 409:
+                    raise
+                continue
             actions.append("created Secret")
     return actions
 
@@ -97,8 +102,9 @@ async def ensure_children(
     """Make the children match the resource; returns what was done, e.g. 'created DaemonSet'.
     Raises ConfigError before touching anything when the spec cannot be rendered."""
     await check_references(client, tier)
+    children = build_children(tier, settings)  # a spec that cannot be rendered changes nothing
     actions = await ensure_curve_secrets(client, tier)
-    for child in build_children(tier, settings):
+    for child in children:
         kind, meta = child["kind"], child["metadata"]
         resource = resource_of(child["apiVersion"], kind)
         namespace = meta.get("namespace")
