@@ -263,7 +263,7 @@ class AccessLogConfig(_Model):
 
     max_keys: int = Field(default=1 << 20, ge=1, le=1 << 24, description="Keys the log holds.")
     sample_rate: float = Field(
-        default=1.0, gt=0, le=1, description="Share of requests logged whole."
+        default=1.0, ge=0.0001, le=1, description="Share of requests logged whole."
     )
 
 

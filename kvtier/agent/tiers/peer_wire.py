@@ -124,15 +124,12 @@ def load_keys(directory: Path) -> KeyRing:
     return KeyRing(public, secret, frozenset([public, *listed]))
 
 
-def write_keys(directory: Path, trusted: list[bytes] | None = None) -> bytes:
-    """A new key pair (what the operator's Secret holds), and the extra keys trusted; returns
-    the public key."""
+def write_keys(directory: Path) -> bytes:
+    """A new key pair (what the operator's Secret holds); returns the public key."""
     public, secret = zmq.curve_keypair()
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "public.key").write_bytes(public)
     (directory / "secret.key").write_bytes(secret)
-    if trusted:
-        (directory / "trusted.keys").write_bytes(b"\n".join(trusted) + b"\n")
     return public
 
 
