@@ -537,10 +537,10 @@ def main(args: Any) -> int:
     if unknown:
         err.print(f"unknown policy {', '.join(unknown)}; use {', '.join(REPLAY_POLICIES)}")
         return 2
-    block_bytes = parse_bytes(args.block_bytes) if args.block_bytes else None
     if args.agent:
         return _main_agent(args, err)
     try:
+        block_bytes = parse_bytes(args.block_bytes) if args.block_bytes else None
         trace = load_trace(args.trace, args.block_size, args.limit)
         if block_bytes is None and args.bytes_per_token:
             block_bytes = parse_bytes(args.bytes_per_token) * trace.block_size
