@@ -179,12 +179,16 @@ class HostTier:
             hits = self._index.lookup_digests(namespace, digests)
             # now, not after the reply: a report carries several requests, and each must
             # reach the policy and the write-back admission as a lookup of its own
-            touched = self._index.take_touched()
-            if touched and self._on_hits is not None:
-                self._on_hits(touched)
+            self._hits_seen_locked()
         self._looked_up += len(digests)
         self._found += sum(hits)
         return hits
+
+    def _hits_seen_locked(self) -> None:
+        """The entries lookups hit since last time, to the policy's subscriber (lock held)."""
+        touched = self._index.take_touched()
+        if touched and self._on_hits is not None:
+            self._on_hits(touched)
 
     def count_loaded(self, nbytes: int) -> None:
         """Bytes clients loaded from the pool without a lease (reported with lookups)."""
@@ -195,9 +199,7 @@ class HostTier:
         """Bookkeeping that need not delay an answer: the policy's view of recent hits and
         the lookup counters. The server calls it after each reply, before the next request."""
         with self._lock:
-            touched = self._index.take_touched()
-            if touched and self._on_hits is not None:
-                self._on_hits(touched)
+            self._hits_seen_locked()
         if self._looked_up:
             self.metrics.lookups.inc(self._looked_up)
             self._hits.inc(self._found)

@@ -58,12 +58,12 @@ import numpy.typing as npt
 
 from kvtier.agent.pool_layout import (
     INDEX_SPARE,
+    PAGE,
     index_array_bytes,
     index_capacity,
     index_file_bytes,
 )
 
-PAGE = 4096
 MAGIC = b"KVTSHIX1"
 VERSION = 1
 WINDOW = 16  # positions read per key per probe round

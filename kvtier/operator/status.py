@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.agent.fingerprint import differing_components, parse_namespace
-from kvtier.agent.node_status import TIMESTAMP, TierStatus, read_node_status
+from kvtier.agent.node_status import TIMESTAMP, read_node_status
 from kvtier.agent.units import format_bytes
 
 Manifest = dict[str, Any]
@@ -76,16 +76,13 @@ class _Totals:
             self.host_used += host.used_bytes
             self.host_capacity += host.capacity_bytes
         for tier in status.secondaries:
-            sums = self.tiers.setdefault(tier.name, dict.fromkeys(_TIER_SUMS, 0))
-            for key, value in zip(_TIER_SUMS, _tier_sums(tier), strict=True):
-                sums[key] += value
-
-
-_TIER_SUMS = ("usedBytes", "capacityBytes", "chunks", "hits")
-
-
-def _tier_sums(tier: TierStatus) -> tuple[int, int, int, int]:
-    return tier.used_bytes, tier.capacity_bytes, tier.chunks, tier.hits
+            sums = self.tiers.setdefault(
+                tier.name, {"usedBytes": 0, "capacityBytes": 0, "chunks": 0, "hits": 0}
+            )
+            sums["usedBytes"] += tier.used_bytes
+            sums["capacityBytes"] += tier.capacity_bytes
+            sums["chunks"] += tier.chunks
+            sums["hits"] += tier.hits
 
 
 def _conditions(
