@@ -62,3 +62,21 @@ def test_store_refuses_rows_of_unequal_size_before_asking(agent: AgentProcess) -
         with pytest.raises(ValueError, match="equal size"):
             client.store("ns", [b"a", b"b"], rows)
         assert client.stats()["leases"] == 0
+
+
+def test_lookup_reports_are_cut_into_messages_the_agent_accepts() -> None:
+    """A backlog of reported lookups never becomes one Looked message over the protocol's
+    bounds (MAX_KEYS keys, MAX_KEYS requests), which the agent would drop unanswered."""
+    import numpy as np
+
+    from kvtier.agent import protocol as p
+    from kvtier.agent.client import _report_parts
+
+    requests = [np.arange(n, dtype=np.uint64) for n in [p.MAX_KEYS, 3, p.MAX_KEYS - 2, 1, 5]]
+    parts = _report_parts(requests)
+    assert [len(part) for part in parts] == [1, 1, 2, 1]
+    assert all(sum(len(r) for r in part) <= p.MAX_KEYS for part in parts)
+    assert [r for part in parts for r in part] == requests  # every request, in order
+    many = [np.zeros(1, np.uint64)] * (p.MAX_KEYS + 1)
+    assert [len(part) for part in _report_parts(many)] == [p.MAX_KEYS, 1]
+    assert _report_parts([]) == [[]]

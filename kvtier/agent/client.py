@@ -106,6 +106,20 @@ class StoreResult:
 _NO_STAGING = p.StoreCode.STAGING_FULL
 
 
+def _report_parts(requests: list[Any]) -> list[list[Any]]:
+    """Requests' digests in messages the agent accepts: at most MAX_KEYS keys (a request
+    has at most that many) and MAX_KEYS requests in each; one empty part for none."""
+    parts: list[list[Any]] = [[]]
+    keys = 0
+    for request in requests:
+        if parts[-1] and (keys + len(request) > p.MAX_KEYS or len(parts[-1]) == p.MAX_KEYS):
+            parts.append([])
+            keys = 0
+        parts[-1].append(request)
+        keys += len(request)
+    return parts
+
+
 def _equal_rows(keys: Sequence[bytes], rows: Sequence[Any]) -> tuple[list[Bytes], int]:
     """The rows as byte views, and their common size: one row per key, all of one size."""
     views = [_as_bytes(r) for r in rows]
@@ -332,8 +346,7 @@ class AgentClient:
             if loaded and not reports:
                 reports = {"-": []}  # bytes to report even with no lookup waiting
             for namespace, requests in reports.items():
-                for start in range(0, max(1, len(requests)), p.MAX_KEYS):
-                    part = requests[start : start + p.MAX_KEYS]
+                for part in _report_parts(requests):
                     message = p.Looked(
                         namespace,
                         np.concatenate(part).astype("<u8").tobytes() if part else b"",
