@@ -135,11 +135,6 @@ class HostTier:
         with self._lock:
             self._index.unpin(entry)
 
-    def note_parents(self, namespace: str, keys: list[bytes], parents: list[bytes | None]) -> None:
-        """Each key's predecessor in its request, for the prefix policy (before a store)."""
-        with self._lock:
-            self._index.note_parents(namespace, keys, parents)
-
     def events_since(self, namespace: str, after: int) -> EventBatch:
         """Chunks stored and evicted in `namespace` since event `after`."""
         with self._lock:
@@ -207,11 +202,18 @@ class HostTier:
             self._looked_up = self._found = 0
 
     def allocate(
-        self, client: str, namespace: str, keys: list[bytes], nbytes: int
+        self,
+        client: str,
+        namespace: str,
+        keys: list[bytes],
+        nbytes: int,
+        parents: list[bytes | None] | None = None,
     ) -> tuple[int, list[int], list[int], list[int]]:
         """Reserve a pool slot and a staging slot per new key: (lease, pool slots or codes,
         generations, staging slots or -1). Keys past the staging slots free right now get
-        STAGING: the client stores them again once its earlier stores are committed."""
+        STAGING: the client stores them again once its earlier stores are committed.
+        `parents`: each key's predecessor in its request, noted for the prefix policy before
+        the store evicts anything."""
         if not 0 < nbytes <= self.geometry.payload_bytes:
             raise ValueError(
                 f"nbytes {nbytes} does not fit a slot of {self.geometry.payload_bytes} bytes; "
@@ -220,6 +222,8 @@ class HostTier:
         n = len(keys)
         slots, generations, staging = [int(StoreCode.STAGING_FULL)] * n, [0] * n, [-1] * n
         with self._lock:
+            if parents is not None:
+                self._index.note_parents(namespace, keys, parents)
             budget = len(self._staging_free)
             chosen = []
             for i, key in enumerate(keys):

@@ -258,9 +258,9 @@ class Agent:
                     ids = [part[i : i + 8] for i in range(0, len(part), 8)]
                     self.access_log.record_request(namespace, ids, hits)
             case p.Allocate(namespace, keys, nbytes, parents):
-                if parents is not None:  # for the policy, before the store evicts anything
-                    host.note_parents(namespace, keys, parents)
-                lease, slots, generations, staging = host.allocate(client, namespace, keys, nbytes)
+                lease, slots, generations, staging = host.allocate(
+                    client, namespace, keys, nbytes, parents
+                )
                 return p.LeaseReply(lease, slots, [], generations, staging)
             case p.Commit(lease):
                 # the agent copies the staged chunks into the pool: off the request loop
