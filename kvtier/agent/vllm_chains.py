@@ -15,44 +15,59 @@ import threading
 from typing import Any
 
 
+class _Chain:
+    """One request's chunk keys of one KV group, by end-token position, positions sorted."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, bytes] = {}
+        self.positions: list[int] = []
+
+    def add(self, position: int, key: bytes) -> None:
+        if position not in self.keys:
+            bisect.insort(self.positions, position)
+        self.keys[position] = key
+
+    def before(self, position: int) -> bytes | None:
+        i = bisect.bisect_left(self.positions, position)
+        return self.keys[self.positions[i - 1]] if i else None
+
+
 class PrefixChains:
     def __init__(self) -> None:
-        # per request and KV group: the chunk key seen at each end-token position
-        self._chains: dict[str, dict[bytes, dict[int, bytes]]] = {}
+        self._chains: dict[str, dict[bytes, _Chain]] = {}  # per request and KV group
         self._lock = threading.Lock()
 
-    def note(self, keys: list[bytes], req_context: Any) -> None:
+    def _positions(self, keys: list[bytes], req_context: Any) -> list[int | None] | None:
         position_of = getattr(req_context, "get_offload_key_position", None)
-        req_id = getattr(req_context, "req_id", None)
-        if position_of is None or req_id is None:
-            return
-        with self._lock:
-            groups = self._chains.setdefault(req_id, {})
-            for key in keys:
-                position = position_of(key)
-                if position is not None:
-                    groups.setdefault(key[-4:], {})[position] = key
+        if position_of is None or getattr(req_context, "req_id", None) is None:
+            return None
+        return [position_of(key) for key in keys]
+
+    def note(self, keys: list[bytes], req_context: Any) -> None:
+        positions = self._positions(keys, req_context)
+        if positions is not None:
+            with self._lock:
+                self._note(req_context.req_id, keys, positions)
+
+    def _note(self, req_id: str, keys: list[bytes], positions: list[int | None]) -> None:
+        groups = self._chains.setdefault(req_id, {})
+        for key, position in zip(keys, positions, strict=True):
+            if position is not None:
+                groups.setdefault(key[-4:], _Chain()).add(position, key)
 
     def parents(self, keys: list[bytes], req_context: Any) -> list[bytes | None] | None:
         """Each key's predecessor where vLLM recorded an earlier position; None when none
-        is known for any key."""
-        self.note(keys, req_context)
-        position_of = getattr(req_context, "get_offload_key_position", None)
-        req_id = getattr(req_context, "req_id", None)
-        if position_of is None or req_id is None:
+        is known for any key. The keys are noted too, in the same pass."""
+        positions = self._positions(keys, req_context)
+        if positions is None:
             return None
-        parents: list[bytes | None] = []
         with self._lock:
-            groups = self._chains.get(req_id, {})
-            ordered = {g: sorted(chain) for g, chain in groups.items()}
-            for key in keys:
-                position = position_of(key)
-                known = ordered.get(key[-4:])
-                if position is None or not known:
-                    parents.append(None)
-                    continue
-                i = bisect.bisect_left(known, position)
-                parents.append(groups[key[-4:]][known[i - 1]] if i else None)
+            self._note(req_context.req_id, keys, positions)
+            groups = self._chains[req_context.req_id]
+            parents = [
+                groups[key[-4:]].before(position) if position is not None else None
+                for key, position in zip(keys, positions, strict=True)
+            ]
         return parents if any(p is not None for p in parents) else None
 
     def forget(self, req_id: str) -> None:
