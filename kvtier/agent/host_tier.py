@@ -41,7 +41,11 @@ from kvtier.agent.index import Entry, HostIndex
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
 from kvtier.agent.pool import create_or_reuse, create_staging, staging_path
-from kvtier.agent.pool_layout import PoolGeometry, slot_payload_bytes, staging_slots
+from kvtier.agent.pool_layout import (
+    PoolGeometry,
+    pool_geometry,
+    staging_geometry,
+)
 from kvtier.agent.protocol import StoreCode
 from kvtier.agent.shm_index import TableWriter, index_path
 
@@ -72,11 +76,9 @@ class HostTier:
         self.config = config
         self.metrics = metrics
         self.lease_seconds = lease_seconds
-        geometry = PoolGeometry(slot_payload_bytes(config.chunk_bytes), config.slot_count)
+        geometry = pool_geometry(config.capacity, config.chunk_bytes)
         self.pool, reused = create_or_reuse(pool_path, geometry, populate=config.prefault)
-        staging = PoolGeometry(
-            geometry.payload_bytes, staging_slots(geometry.slot_count, geometry.payload_bytes)
-        )
+        staging = staging_geometry(geometry)
         self.staging = create_staging(staging_path(pool_path), staging, populate=config.prefault)
         self._staging_free = list(range(staging.slot_count - 1, -1, -1))
         self._staging_resting: list[tuple[float, int]] = []  # (until, staging slot)

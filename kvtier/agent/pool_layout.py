@@ -85,11 +85,18 @@ def index_file_bytes(capacity: int) -> int:
     return PAGE + 3 * index_array_bytes(capacity + INDEX_SPARE)
 
 
+def pool_geometry(capacity: int, chunk_bytes: int) -> PoolGeometry:
+    """The pool a host tier of `capacity` bytes with chunks of `chunk_bytes` has."""
+    return PoolGeometry(slot_payload_bytes(chunk_bytes), pool_slot_count(capacity, chunk_bytes))
+
+
+def staging_geometry(pool: PoolGeometry) -> PoolGeometry:
+    """The staging area beside a pool: slots of the pool's payload size."""
+    return PoolGeometry(pool.payload_bytes, staging_slots(pool.slot_count, pool.payload_bytes))
+
+
 def tier_files_bytes(geometry: PoolGeometry) -> int:
     """The pool, its staging area and its published index: what the pool's filesystem (the
     tier's volume) must hold."""
-    staging = PoolGeometry(
-        geometry.payload_bytes, staging_slots(geometry.slot_count, geometry.payload_bytes)
-    )
     index = index_file_bytes(index_capacity(geometry.slot_count))
-    return geometry.file_bytes + staging.file_bytes + index
+    return geometry.file_bytes + staging_geometry(geometry).file_bytes + index

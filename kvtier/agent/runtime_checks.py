@@ -12,7 +12,10 @@ from pathlib import Path
 
 from kvtier.agent.config import AgentConfig, ConfigError
 from kvtier.agent.pool import reusable, staging_path
-from kvtier.agent.pool_layout import PoolGeometry, slot_payload_bytes, tier_files_bytes
+from kvtier.agent.pool_layout import (
+    pool_geometry,
+    tier_files_bytes,
+)
 from kvtier.agent.shm_index import index_path
 from kvtier.agent.units import format_bytes
 
@@ -43,7 +46,7 @@ def _check_pool_fits(config: AgentConfig) -> str | None:
     whoever touches a page the filesystem cannot supply (SIGBUS): refuse to start instead.
     The staging area and the published index live beside the pool and count too."""
     host = config.host
-    geometry = PoolGeometry(slot_payload_bytes(host.chunk_bytes), host.slot_count)
+    geometry = pool_geometry(host.capacity, host.chunk_bytes)
     needed = tier_files_bytes(geometry)
     pool = config.pool_path
     try:

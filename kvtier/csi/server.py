@@ -19,12 +19,7 @@ from typing import Any, Protocol
 import grpc
 
 import kvtier
-from kvtier.agent.pool_layout import (
-    PoolGeometry,
-    pool_slot_count,
-    slot_payload_bytes,
-    tier_files_bytes,
-)
+from kvtier.agent.pool_layout import pool_geometry, tier_files_bytes
 from kvtier.agent.units import parse_bytes
 from kvtier.csi.messages import PACKAGE, SERVICES, message
 from kvtier.csi.volumes import HEADROOM, TierVolume, Volumes
@@ -110,8 +105,7 @@ def tier_volume(tiers: Tiers, context: dict[str, str]) -> TierVolume:
 def tier_volume_bytes(capacity: int, chunk_bytes: int) -> int:
     """The size of a tier's volume: its pool, staging area and published index, and room for
     the socket, lock files and a pool being re-created."""
-    geometry = PoolGeometry(slot_payload_bytes(chunk_bytes), pool_slot_count(capacity, chunk_bytes))
-    return tier_files_bytes(geometry) + HEADROOM
+    return tier_files_bytes(pool_geometry(capacity, chunk_bytes)) + HEADROOM
 
 
 class NodePlugin:
