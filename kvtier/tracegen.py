@@ -9,6 +9,7 @@ repeat the previous turn's; the last, partial block is new each turn (its tokens
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
@@ -68,6 +69,11 @@ def multi_turn(
     return records
 
 
-def write(records: list[dict[str, Any]], path: Path) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+def write(path: Path, records: list[dict[str, Any]]) -> Path:
+    """Records as Mooncake-format JSONL at `path` (gzip when it ends in .gz)."""
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
     return path

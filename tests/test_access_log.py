@@ -15,7 +15,7 @@ from kvtier.agent.config import AgentConfig
 from kvtier.cli import main
 from kvtier.local_agent import AgentProcess
 from kvtier.replay import Budget, load_trace, replay_agent, run
-from kvtier.tracegen import multi_turn
+from kvtier.tracegen import multi_turn, write
 from tests.conftest import ROW
 
 
@@ -29,11 +29,6 @@ def chained(records: list[dict[str, object]]) -> list[list[bytes]]:
             keys.append(prefix[-64:] + len(prefix).to_bytes(4, "big"))
         out.append(keys)
     return out
-
-
-def write(path: Path, records: list[dict[str, object]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def test_ids_hide_keys_and_namespaces() -> None:

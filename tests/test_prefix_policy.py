@@ -4,7 +4,6 @@ the pool."""
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -150,13 +149,11 @@ def test_index_invariants_with_chains(requests: list[tuple[int, int]], capacity:
 
 
 def write(path: Path, requests: list[list[int]]) -> Path:
-    path.write_text(
-        "".join(
-            json.dumps({"timestamp": i, "input_length": 512 * len(ids), "hash_ids": ids}) + "\n"
-            for i, ids in enumerate(requests)
-        )
-    )
-    return path
+    records = [
+        {"timestamp": i, "input_length": 512 * len(ids), "hash_ids": ids}
+        for i, ids in enumerate(requests)
+    ]
+    return write_trace(path, records)
 
 
 def scan_heavy(seed: int = 7) -> list[list[int]]:
@@ -223,7 +220,7 @@ def test_an_agent_reads_an_allocate_without_parents() -> None:
 def test_multi_turn_chat_trace_never_worse_than_lru(tmp_path: Path) -> None:
     records = multi_turn(seed=1, conversations=3000)
     assert records == multi_turn(seed=1, conversations=3000)  # the seed fixes the trace
-    trace = load_trace(write_trace(records, tmp_path / "chats.jsonl"))
+    trace = load_trace(write_trace(tmp_path / "chats.jsonl", records))
     for blocks in (64, 256, 1024, 4096):
         lru = replay(trace, "lru", blocks).hit_rate
         prefix = replay(trace, "prefix", blocks).hit_rate

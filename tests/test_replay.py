@@ -16,19 +16,11 @@ from kvtier.cli import main
 from kvtier.local_agent import AgentProcess
 from kvtier.replay import BeladyPolicy, Budget, budgets, load_trace, replay, replay_agent, run
 from kvtier.tracegen import multi_turn
+from kvtier.tracegen import write as write_trace
 from tests.conftest import ROW
 
 # The first 3,000 requests of the Mooncake conversation trace (see tests/data/README.md).
 TRACE_SLICE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_3000.jsonl.gz"
-
-
-def write_trace(path: Path, records: list[dict[str, object]]) -> Path:
-    text = "".join(json.dumps(r) + "\n" for r in records)
-    if path.suffix == ".gz":
-        path.write_bytes(gzip.compress(text.encode()))
-    else:
-        path.write_text(text)
-    return path
 
 
 @pytest.mark.parametrize("blocks", [128, 512])
