@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,10 +26,8 @@ from kvtier.agent.tiers.peer_wire import write_keys
 from kvtier.bench.peers import UCX_BETWEEN_HOSTS
 from kvtier.local_agent import AgentProcess
 from tests import netns
-from tests.conftest import ROW
-from tests.helpers import NS, key, row
 from tests.test_agent_tiers import load_exact, wait_for
-from tests.test_peers import node_config, peer_stats
+from tests.test_peers import node_config, peer_stats, shared_between
 
 PEER_PORT = 5557
 UCX = UCX_BETWEEN_HOSTS  # UCX_TLS=tcp, UCX_NET_DEVICES=eth0, TCP segment and buffer sizes
@@ -74,13 +71,9 @@ def test_chunks_cross_namespaces_over_nixl_on_tcp(
         for agent in agents:  # UCX in each agent is pinned to TCP
             environ = Path(f"/proc/{agent.pid}/environ").read_bytes().split(b"\0")
             assert b"UCX_TLS=tcp" in environ
-        time.sleep(1.2)
         ids = list(range(12))
-        with AgentClient(configs[0].endpoint) as producer:
-            producer.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
-            wait_for(lambda: peer_stats(producer).get("writebacks") == len(ids))
         with AgentClient(configs[1].endpoint) as consumer:
-            wait_for(lambda: consumer.lookup(NS, [key(i) for i in ids]).prefix == len(ids))
+            shared_between(configs[0].endpoint, consumer, ids)
             assert load_exact(consumer, [0]) == [True]  # NIXL connects on first use
             assert load_exact(consumer, ids[1:]) == [True] * (len(ids) - 1)
             stats = peer_stats(consumer)

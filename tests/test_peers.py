@@ -74,6 +74,16 @@ def peer_stats(client: AgentClient) -> dict[str, Any]:
     return stats
 
 
+def shared_between(producer: str, consumer: AgentClient, ids: list[int]) -> None:
+    """Store `ids` on the agent at `producer` until its peer tier announced them, then wait
+    until the consumer's lookups find them all."""
+    time.sleep(1.2)  # both agents have read the membership
+    with AgentClient(producer) as client:
+        client.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
+        wait_for(lambda: peer_stats(client).get("writebacks") == len(ids))
+    wait_for(lambda: consumer.lookup(NS, [key(i) for i in ids]).prefix == len(ids))
+
+
 def moved_chunks(client: AgentClient) -> int:
     """Chunks that arrived from peers, over either data path."""
     stats = peer_stats(client)
@@ -327,13 +337,9 @@ def test_nodes_with_their_own_addresses_share_through_the_directory(
         )
         endpoints = sorted(json.loads(r.read_text())["endpoint"] for r in records)
         assert endpoints == [f"tcp://{address}:5557" for _, address in machines]
-        time.sleep(1.2)
         ids = list(range(12))
-        with AgentClient(configs[0].endpoint) as producer:
-            producer.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
-            wait_for(lambda: peer_stats(producer).get("writebacks") == len(ids))
         with AgentClient(configs[2].endpoint) as consumer:
-            wait_for(lambda: consumer.lookup(NS, [key(i) for i in ids]).prefix == len(ids))
+            shared_between(configs[0].endpoint, consumer, ids)
             assert load_exact(consumer, ids) == [True] * len(ids)
             stats = peer_stats(consumer)
             assert moved_chunks(consumer) == len(ids)
