@@ -25,7 +25,6 @@ An access log sampled at rate r (whole requests, by their first chunk) stands fo
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.agent.units import format_bytes, parse_bytes
-from kvtier.replay import Trace, TraceError, load_trace, progress_bar, replay
+from kvtier.replay import Trace, TraceError, load_trace, progress_bar, replay, show
 
 SECONDARY_POLICY = "lru"  # how the filesystem and object tiers evict
 REACHABLE_SHARE = 0.95
@@ -315,13 +314,7 @@ def main(args: Any) -> int:
         )
     if args.plot is not None:
         plot_plan(report, args.plot)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        out = Console(width=None if Console().is_terminal else 120)
-        out.print(render(report))
-        for line in summary(report):
-            out.print(line)
+    show(report, args.json, render(report), summary(report), 120)
     return 0
 
 

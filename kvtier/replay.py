@@ -332,6 +332,20 @@ def budgets(
     return out
 
 
+def show(report: dict[str, Any], as_json: bool, table: Any, lines: list[str], width: int) -> None:
+    """A command's report: JSON on stdout for scripts, else its table and lines (`width`
+    columns when stdout is not a terminal, so piped output is not cut)."""
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    from rich.console import Console
+
+    out = Console(width=None if Console().is_terminal else width)
+    out.print(table)
+    for line in lines:
+        out.print(line)
+
+
 def progress_bar(label: str, console: Console, quiet: bool) -> Progress:
     """The bar replay and plan draw on stderr while they work; none when the output is
     JSON or stderr is not a terminal."""
@@ -560,13 +574,8 @@ def main(args: Any) -> int:
         from kvtier.plot import plot_replay
 
         plot_replay(report, args.plot)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        out = Console(width=None if Console().is_terminal else 160)
-        out.print(render(report))
-        if block_bytes:
-            out.print(f"block = {format_bytes(block_bytes)}")
+    lines = [f"block = {format_bytes(block_bytes)}"] if block_bytes else []
+    show(report, args.json, render(report), lines, 160)
     return 0
 
 
