@@ -229,12 +229,6 @@ def _secret_files(
     )
 
 
-# (tier backend, its Secret field, volume prefix, the Secret's keys, where they are mounted)
-_SECRET_FILES = [
-    ("objectStore", "credentialsSecret", "s3", ["accessKeyId", "secretAccessKey"], S3_MOUNT),
-]
-
-
 def _tier_volumes(tier: Manifest) -> tuple[list[Manifest], list[Manifest]]:
     """Filesystem tiers through claims only (Pod Security `restricted` allows no inline NFS
     or hostPath volume): the user's claim, or the one the operator makes for an NFS export."""
@@ -247,19 +241,19 @@ def _tier_volumes(tier: Manifest) -> tuple[list[Manifest], list[Manifest]]:
             claim = fs["pvc"]["claimName"] if "pvc" in fs else nfs_claim_name(tier, name)
             volumes.append({"name": f"tier-{name}", "persistentVolumeClaim": {"claimName": claim}})
             mounts.append({"name": f"tier-{name}", "mountPath": f"{TIER_MOUNT}/{name}"})
+        # (volume, Secret, the keys mounted (None: all), where): a peer tier's key pair, the
+        # one named or the one made for it, and an S3 tier's credentials
+        secrets: list[tuple[str, str, list[str] | None, str]] = []
         if "peer" in entry:
-            volume, mount = _secret_files(
-                f"curve-{name}", curve_secret(tier, entry), None, f"{CURVE_MOUNT}/{name}"
-            )
+            secrets.append((f"curve-{name}", curve_secret(tier, entry), None, CURVE_MOUNT))
+        credentials = entry.get("objectStore", {}).get("credentialsSecret")
+        if credentials is not None:
+            keys = ["accessKeyId", "secretAccessKey"]
+            secrets.append((f"s3-{name}", credentials["name"], keys, S3_MOUNT))
+        for volume_name, secret, keys_mounted, root in secrets:
+            volume, mount = _secret_files(volume_name, secret, keys_mounted, f"{root}/{name}")
             volumes.append(volume)
             mounts.append(mount)
-        for backend, field, prefix, keys, root in _SECRET_FILES:
-            if field in entry.get(backend, {}):
-                volume, mount = _secret_files(
-                    f"{prefix}-{name}", entry[backend][field]["name"], keys, f"{root}/{name}"
-                )
-                volumes.append(volume)
-                mounts.append(mount)
     return volumes, mounts
 
 
