@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,9 @@ def _read(path: str, rounds: int, out: mp.Queue) -> None:  # type: ignore[type-a
     reader = s.TableReader(Path(path))
     keys = [b"key-%d" % n for n in range(600)]
     ds = s.digests("ns", keys)
+    deadline = time.monotonic() + 120  # the writer's process may start later than this one
+    while not (reader.find(ds)[0] >= 0).any() and time.monotonic() < deadline:
+        time.sleep(0.005)
     bad = 0
     hits = 0
     for _ in range(rounds):
