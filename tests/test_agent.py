@@ -5,19 +5,17 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.pool import PoolMap
 from kvtier.local_agent import AgentProcess
+from tests.agent_helpers import find_slot, scrape
 from tests.conftest import ROW
 from tests.helpers import NS, hold_leases, key, loaned_chunk, row, store_and_verify, wait_settled
 
@@ -87,18 +85,6 @@ def test_agent_killed_and_restarted_serves_same_chunks(
         assert client.stats()["corrupt"] == 0
 
 
-def find_slot(pool_path: Path, wanted: bytes) -> int:
-    pool = PoolMap.open(pool_path, populate=False)
-    try:
-        for slot in range(pool.geometry.slot_count):
-            header = ChunkHeader.unpack(memoryview(pool.header(slot)))
-            if header is not None and header.key == wanted:
-                return slot
-    finally:
-        pool.close()
-    raise LookupError(wanted)
-
-
 def test_corrupted_slot_is_never_served(
     make_config: Callable[..., AgentConfig], agent_factory: StartAgent
 ) -> None:
@@ -166,18 +152,6 @@ def test_expired_lease_is_released(short_lease_client: AgentClient) -> None:
     stats = client.stats()
     assert stats["leases"] == 0 and stats["leases_expired"] == 1
     client.end_load(grant.lease)  # ending a lease the agent already released is harmless
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Samples of the agent's /metrics page, keyed like `name{label="v"}`."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
 
 
 def test_metrics_endpoint(agent: AgentProcess) -> None:

@@ -19,9 +19,9 @@ from kvtier.agent.client import AgentClient
 from kvtier.agent.liveness import ClientLock
 from kvtier.local_agent import AgentProcess
 from tests.agent_fuzz import per_message_type, random_hostile, rid, snapshot
+from tests.agent_helpers import scrape
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled
-from tests.test_agent import scrape
 
 MESSAGES = int(os.environ.get("KVTIER_FUZZ_MESSAGES", "100000"))
 

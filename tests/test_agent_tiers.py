@@ -9,14 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from kvtier import polling
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.local_agent import AgentProcess
-from tests.conftest import ROW, free_port
-from tests.helpers import NS, key, row
+from tests.agent_helpers import load_exact, s3_tier, store, tier_stats, wait_for
+from tests.conftest import free_port
+from tests.helpers import NS, key
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 
@@ -28,35 +26,9 @@ def fs_tier(path: Path, **kw: Any) -> dict[str, Any]:
     }
 
 
-def s3_tier(bucket: dict[str, Any], **kw: Any) -> dict[str, Any]:
-    fields = {k: v for k, v in bucket.items() if k != "client"}
-    return {"name": "s3", "objectStore": {**fields, **kw}}
-
-
 def fs_file(root: Path, i: int) -> Path:
     h = key(i).hex()
     return root / NS / h[:2] / h[2:4] / h
-
-
-def tier_stats(client: AgentClient, name: str) -> dict[str, Any]:
-    return next(t for t in client.stats()["tiers"] if t["name"] == name)
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 20.0) -> Any:
-    return polling.wait_for(predicate, timeout)
-
-
-def store(client: AgentClient, ids: range | list[int]) -> None:
-    ids = list(ids)
-    client.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
-
-
-def load_exact(client: AgentClient, ids: list[int]) -> list[bool]:
-    outs = [np.zeros(ROW, np.uint8) for _ in ids]
-    loaded = client.load_into(NS, [key(i) for i in ids], outs)
-    return [
-        ok and np.array_equal(o, row(i, ROW)) for i, ok, o in zip(ids, loaded, outs, strict=True)
-    ]
 
 
 def test_two_agents_share_a_filesystem_tier(

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.chart_render import render
 from tests.crd_rules import check_crd
-from tests.test_chart import render
 
 CRDS = sorted((Path(__file__).resolve().parents[1] / "crds").glob("*.yaml"))
 ROOT = "spec.validation.openAPIV3Schema"

@@ -20,9 +20,9 @@ from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable, Lea
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.shm_index import digests
 from kvtier.local_agent import AgentProcess
+from tests.agent_helpers import wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, loaned_chunk, row, wait_settled
-from tests.test_agent_tiers import wait_for
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 

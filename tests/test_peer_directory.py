@@ -16,10 +16,10 @@ from pathlib import Path
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.local_agent import AgentProcess
+from tests.agent_helpers import load_exact, wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
-from tests.test_agent_tiers import load_exact, wait_for
-from tests.test_peers import node_config, peer_stats
+from tests.peer_helpers import node_config, peer_stats
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 

@@ -26,8 +26,8 @@ from kvtier.agent.tiers.peer_wire import write_keys
 from kvtier.bench.peers import UCX_BETWEEN_HOSTS
 from kvtier.local_agent import AgentProcess
 from tests import netns
-from tests.test_agent_tiers import load_exact, wait_for
-from tests.test_peers import node_config, peer_stats, shared_between
+from tests.agent_helpers import load_exact, wait_for
+from tests.peer_helpers import node_config, peer_stats, shared_between
 
 PEER_PORT = 5557
 UCX = UCX_BETWEEN_HOSTS  # UCX_TLS=tcp, UCX_NET_DEVICES=eth0, TCP segment and buffer sizes

@@ -41,10 +41,10 @@ from kvtier.agent.tiers.peer_wire import (
     write_keys,
 )
 from kvtier.local_agent import AgentProcess
+from tests.agent_helpers import load_exact, wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
-from tests.test_agent_tiers import load_exact, wait_for
-from tests.test_peers import node_config, peer_stats
+from tests.peer_helpers import node_config, peer_stats
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 FAST = {"membershipSeconds": 0.5, "staleFloorSeconds": 3.0, "announceTtlSeconds": 6.0}

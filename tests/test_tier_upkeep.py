@@ -20,11 +20,10 @@ from kvtier.agent.client import AgentClient, AgentUnavailable
 from kvtier.agent.config import AgentConfig, FilesystemTierConfig
 from kvtier.agent.tiers.filesystem import QUARANTINE, FilesystemTier
 from kvtier.local_agent import AgentProcess
+from tests.agent_helpers import s3_tier, scrape, store, tier_stats, wait_for
 from tests.conftest import ROW
 from tests.faults import FaultProxy, Link
 from tests.helpers import NS, key, row, wait_settled
-from tests.test_agent import scrape
-from tests.test_agent_tiers import s3_tier, store, tier_stats, wait_for
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 SLOTS = 16
