@@ -65,7 +65,7 @@ def run_second_node(conversations: int = 3, turns: int = 4) -> PeerReport:
                     keys = chunk_keys(turn.prompt, shape.chunk_tokens)
                     rows = [row_for(k, ROW_BYTES) for k in keys]
                     stored += engine_a.store(NAMESPACE, keys, rows).stored
-                _wait(lambda: engine_a.stats()["tiers"][0].get("writebacks", 0) >= stored)
+                _wait(lambda: engine_a.stats().tiers[0].counts.writebacks >= stored)
             started = time.perf_counter()
             with AgentClient(b.endpoint) as engine_b:
                 buffers: list[Bytes] = []
@@ -84,10 +84,10 @@ def run_second_node(conversations: int = 3, turns: int = 4) -> PeerReport:
                     report.chunks_local += found.where[:prefix].count(0)
                     report.chunks_from_peer += found.where[:prefix].count(1)
                     report.chunks_loaded += sum(loaded)
-                peer = engine_b.stats()["tiers"][0]
+                peer = engine_b.stats().tiers[0].peer
             report.seconds = time.perf_counter() - started
-            report.nixl_reads = int(peer.get("nixl_reads", 0))
-            report.zmq_reads = int(peer.get("zmq_reads", 0))
+            assert peer is not None, "the second node's first tier is its peer tier"
+            report.nixl_reads, report.zmq_reads = peer.nixl_reads, peer.zmq_reads
             report.bytes_from_peer = (report.nixl_reads + report.zmq_reads) * ROW_BYTES
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

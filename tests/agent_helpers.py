@@ -15,6 +15,7 @@ from kvtier import polling
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.client import AgentClient
 from kvtier.agent.pool import PoolMap
+from kvtier.agent.stats import TierStats
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
 
@@ -48,8 +49,8 @@ def s3_tier(bucket: dict[str, Any], **kw: Any) -> dict[str, Any]:
     return {"name": "s3", "objectStore": {**fields, **kw}}
 
 
-def tier_stats(client: AgentClient, name: str) -> dict[str, Any]:
-    return next(t for t in client.stats()["tiers"] if t["name"] == name)
+def tier_stats(client: AgentClient, name: str) -> TierStats:
+    return client.stats().tier(name)
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 20.0) -> Any:

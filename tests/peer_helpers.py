@@ -10,6 +10,7 @@ from typing import Any
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
+from kvtier.agent.stats import TierStats
 from tests.agent_helpers import wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
@@ -51,9 +52,9 @@ def node_config(
     )
 
 
-def peer_stats(client: AgentClient) -> dict[str, Any]:
-    stats: dict[str, Any] = client.stats()["tiers"][0]
-    return stats
+def peer_stats(client: AgentClient) -> TierStats:
+    """The stats of an agent's first tier, which the peer tests make its peer tier."""
+    return client.stats().tiers[0]
 
 
 def shared_between(producer: str, consumer: AgentClient, ids: list[int]) -> None:
@@ -62,5 +63,5 @@ def shared_between(producer: str, consumer: AgentClient, ids: list[int]) -> None
     time.sleep(1.2)  # both agents have read the membership
     with AgentClient(producer) as client:
         client.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
-        wait_for(lambda: peer_stats(client).get("writebacks") == len(ids))
+        wait_for(lambda: peer_stats(client).counts.writebacks == len(ids))
     wait_for(lambda: consumer.lookup(NS, [key(i) for i in ids]).prefix == len(ids))

@@ -177,8 +177,8 @@ def test_hostile_stream_never_disturbs_a_well_behaved_client(
             worker.join(60)
         assert outcome["rounds"] > 0 and outcome["wrong"] == 0
         stats = victim.stats()
-        assert stats["leases"] == 2  # the victim's, untouched
-        refused = scrape(stats["metrics_port"])
+        assert stats.host.leases == 2  # the victim's, untouched
+        refused = scrape(stats.metrics_port)
         total = sum(v for k, v in refused.items() if k.startswith("kvtier_requests_refused_total"))
         assert total == MESSAGES
         victim.commit(leases[0])

@@ -46,20 +46,20 @@ def test_two_agents_share_a_filesystem_tier(
     agent_factory(b)
     with AgentClient(a.endpoint) as ca:
         store(ca, range(10))
-        wait_for(lambda: tier_stats(ca, "shared-fs").get("writebacks", 0) == 10)
+        wait_for(lambda: tier_stats(ca, "shared-fs").counts.writebacks == 10)
     with AgentClient(b.endpoint) as cb:
         assert cb.tiers == ["host", "shared-fs"]
         found = cb.lookup(NS, [key(i) for i in range(12)])
         assert found.where == [1] * 10 + [-1, -1] and found.prefix == 10
         assert load_exact(cb, list(range(10))) == [True] * 10
         assert cb.lookup(NS, [key(i) for i in range(10)]).where == [0] * 10  # promoted
-        assert tier_stats(cb, "shared-fs")["promotions"] == 10
+        assert tier_stats(cb, "shared-fs").counts.promotions == 10
 
 
 def written_to_fs_and_s3(client: AgentClient, chunks: int) -> None:
     """Store `chunks` chunks and wait until both secondary tiers hold them."""
     store(client, range(chunks))
-    wait_for(lambda: all(t.get("writebacks", 0) == chunks for t in client.stats()["tiers"]))
+    wait_for(lambda: all(t.counts.writebacks == chunks for t in client.stats().tiers))
 
 
 def fs_and_s3_agent(
@@ -88,7 +88,7 @@ def test_restart_with_empty_pool_serves_from_filesystem_and_s3(
 
     agent_factory(config)
     with AgentClient(config.endpoint) as client:
-        assert client.stats()["chunks"] == 0
+        assert client.stats().host.chunks == 0
         assert client.lookup(NS, [key(i) for i in range(8)]).where == [1] * 4 + [2] * 4
         assert load_exact(client, list(range(8))) == [True] * 8
 
@@ -104,7 +104,7 @@ def test_one_request_served_from_three_tiers(
         written_to_fs_and_s3(client, 6)
         for i in (4, 5):  # these two stay on S3 only
             fs_file(scratch / "fs", i).unlink()
-        flush = range(100, 100 + client.stats()["slots"])
+        flush = range(100, 100 + client.stats().host.slots)
         store(client, flush)
         assert client.lookup(NS, [key(i) for i in flush]).prefix == len(flush)
         assert load_exact(client, [0, 1]) == [True, True]  # back into the pool
@@ -131,7 +131,7 @@ def test_unreachable_s3_degrades_to_misses_in_time(
         assert time.monotonic() - started < 2
         assert found.where == [0] * 5 + [-1] * 5
         assert load_exact(client, list(range(10))) == [True] * 5 + [False] * 5
-        wait_for(lambda: tier_stats(client, "s3").get("write_errors", 0) == 5)
+        wait_for(lambda: tier_stats(client, "s3").counts.write_errors == 5)
 
 
 def test_full_write_back_queue_drops_without_blocking(
@@ -149,7 +149,7 @@ def test_full_write_back_queue_drops_without_blocking(
         for i in range(20):
             store(client, [i])
         assert time.monotonic() - started < 3
-        wait_for(lambda: tier_stats(client, "s3").get("dropped", 0) > 0)
+        wait_for(lambda: tier_stats(client, "s3").counts.dropped > 0)
         assert client.lookup(NS, [key(i) for i in range(20)]).prefix == 20
 
 
@@ -161,12 +161,12 @@ def test_admission_after_hits(
     with AgentClient(config.endpoint) as client:
         store(client, range(3))
         time.sleep(0.3)
-        assert tier_stats(client, "shared-fs").get("writebacks", 0) == 0
+        assert tier_stats(client, "shared-fs").counts.writebacks == 0
         client.lookup(NS, [key(0), key(1)])
         client.lookup(NS, [key(0)])
-        wait_for(lambda: tier_stats(client, "shared-fs").get("writebacks", 0) == 1)
+        wait_for(lambda: tier_stats(client, "shared-fs").counts.writebacks == 1)
         time.sleep(0.3)
-        assert tier_stats(client, "shared-fs")["writebacks"] == 1
+        assert tier_stats(client, "shared-fs").counts.writebacks == 1
 
 
 def test_tier_directory_deleted_under_running_agent(
@@ -176,11 +176,11 @@ def test_tier_directory_deleted_under_running_agent(
     agent_factory(config)
     with AgentClient(config.endpoint) as client:
         store(client, range(4))
-        wait_for(lambda: tier_stats(client, "shared-fs").get("writebacks", 0) == 4)
+        wait_for(lambda: tier_stats(client, "shared-fs").counts.writebacks == 4)
         shutil.rmtree(scratch / "fs")
         assert client.lookup(NS, [key(i) for i in range(6)]).where == [0] * 4 + [-1] * 2
         store(client, [10])
-        wait_for(lambda: tier_stats(client, "shared-fs").get("writebacks", 0) == 5)
+        wait_for(lambda: tier_stats(client, "shared-fs").counts.writebacks == 5)
         assert (scratch / "fs" / NS / "manifest.json").exists()
 
 
@@ -191,7 +191,7 @@ def test_corrupt_file_is_never_loaded(
     first = agent_factory(config)
     with AgentClient(config.endpoint) as client:
         store(client, range(3))
-        wait_for(lambda: tier_stats(client, "shared-fs").get("writebacks", 0) == 3)
+        wait_for(lambda: tier_stats(client, "shared-fs").counts.writebacks == 3)
     first.kill()
     config.pool_path.unlink()
     path = fs_file(scratch / "fs", 1)
@@ -201,5 +201,5 @@ def test_corrupt_file_is_never_loaded(
     agent_factory(config)
     with AgentClient(config.endpoint) as client:
         assert load_exact(client, [0, 1, 2]) == [True, False, True]
-        assert tier_stats(client, "shared-fs")["corrupt"] == 1
+        assert tier_stats(client, "shared-fs").counts.corrupt == 1
         assert client.lookup(NS, [key(1)]).where == [-1]

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
 
 from kvtier.agent.chunk import HEADER_BYTES, ChunkHeader, checksum
+from kvtier.agent.stats import PeerCounts
 
 
 class CorruptChunk(Exception):
@@ -60,6 +62,24 @@ def check_blob(
 def check_payload(header: ChunkHeader, payload: memoryview) -> None:
     if checksum(payload[: header.length]) != header.checksum:
         raise CorruptChunk("checksum mismatch")
+
+
+def checked_read(
+    header_page: bytes | memoryview,
+    namespace: str,
+    key: bytes,
+    out: memoryview,
+    read_payload: Callable[[ChunkHeader], int],
+    blob: str,
+) -> ChunkHeader:
+    """A blob read back into `out`: its header checked against what was asked for, then its
+    payload, which `read_payload` puts in `out` (returning the bytes it got), checked for
+    length and checksum. Raises CorruptChunk; `blob` names what was read ("file")."""
+    header = check_blob(header_page, namespace, key, len(out))
+    if read_payload(header) < header.length:
+        raise CorruptChunk(f"{blob} is shorter than its header says")
+    check_payload(header, out)
+    return header
 
 
 class SecondaryTier(ABC):
@@ -109,9 +129,10 @@ class SecondaryTier(ABC):
     def maintain(self) -> int:
         """Periodic upkeep (rescans, eviction to the watermarks); returns chunks evicted."""
 
-    def counters(self) -> dict[str, int]:
-        """Tier-specific counters for the agent's stats (how chunks moved, refusals)."""
-        return {}
+    def counters(self) -> PeerCounts | None:
+        """The peer tier's traffic counters for the agent's stats; other tiers have none
+        beyond what every tier counts."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release clients and threads."""
