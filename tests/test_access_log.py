@@ -14,8 +14,9 @@ from kvtier.agent.access_log import AccessLog, to_records
 from kvtier.agent.config import AgentConfig
 from kvtier.cli import main
 from kvtier.local_agent import AgentProcess
-from kvtier.replay import Budget, load_trace, replay_agent, run
+from kvtier.replay import Budget, load_trace, run
 from kvtier.tracegen import multi_turn, write
+from tests.chat_replay import chats_replayed
 from tests.conftest import ROW
 
 
@@ -111,9 +112,8 @@ def test_kvtier_trace_from_a_live_agent(
 ) -> None:
     """Traffic through a real agent, exported over its socket, is the traffic's trace."""
     agent = agent_factory(make_config(policy="lru"))
-    path = write(tmp_path / "chats.jsonl", multi_turn(seed=3, conversations=60))
-    original = load_trace(path)
-    replay_agent(original, agent.config.endpoint, ROW)
+    chats = tmp_path / "chats.jsonl"
+    original, _ = chats_replayed(agent.config.endpoint, chats, seed=3, conversations=60)
     out = tmp_path / "my.jsonl.gz"
     argv = ["trace", "--agent", agent.config.endpoint, "-o", str(out), "--block-size", "512"]
     assert main(argv) == 0

@@ -14,9 +14,9 @@ from kvtier.agent.index import HostIndex
 from kvtier.agent.protocol import StoreCode
 from kvtier.cli import main
 from kvtier.local_agent import AgentProcess
-from kvtier.replay import BeladyPolicy, Budget, budgets, load_trace, replay, replay_agent, run
-from kvtier.tracegen import multi_turn
+from kvtier.replay import BeladyPolicy, Budget, budgets, load_trace, replay, run
 from kvtier.tracegen import write as write_trace
+from tests.chat_replay import chats_replayed
 from tests.conftest import ROW
 
 # The first 3,000 requests of the Mooncake conversation trace (see tests/data/README.md).
@@ -187,9 +187,8 @@ def test_replay_against_a_live_agent(
 ) -> None:
     """64 slots under a multi-turn chat trace: real rows stored, loaded and checked."""
     agent = agent_factory(make_config(policy="prefix"))
-    path = write_trace(tmp_path / "chats.jsonl", multi_turn(seed=2, conversations=80))
-    trace = load_trace(path)
-    report = replay_agent(trace, agent.config.endpoint, ROW)
+    path = tmp_path / "chats.jsonl"
+    _, report = chats_replayed(agent.config.endpoint, path, seed=2, conversations=80)
     assert report["wrong_rows"] == 0
     assert report["policy"] == "prefix" and report["slots"] == 64
     assert report["hit_rate"] is not None and report["hit_rate"] > 0

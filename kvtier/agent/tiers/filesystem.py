@@ -37,8 +37,7 @@ from kvtier.agent.tiers.base import (
     SecondaryTier,
     TierUsage,
     blob_path,
-    check_blob,
-    check_payload,
+    checked_read,
     namespace_dir,
 )
 
@@ -173,10 +172,7 @@ class FilesystemTier(SecondaryTier):
                 # One read for header and payload; the header lands in an aligned page.
                 page = _header_page()
                 got = _vectored(os.preadv, fd, [page, out], 0) - HEADER_BYTES
-                header = check_blob(page, namespace, key, len(out))
-                if got < header.length:
-                    raise CorruptChunk("file is shorter than its header says")
-                check_payload(header, out)
+                header = checked_read(page, namespace, key, out, lambda _: got, "file")
             except CorruptChunk:
                 self._quarantine(Path(path))
                 raise

@@ -29,8 +29,7 @@ from kvtier.agent.tiers.base import (
     SecondaryTier,
     TierUsage,
     blob_path,
-    check_blob,
-    check_payload,
+    checked_read,
 )
 
 log = logging.getLogger("kvtier.agent.tiers.objectstore")
@@ -42,6 +41,19 @@ _READ_BLOCK = 1 << 20
 def _is_absent(exc: ClientError) -> bool:
     code = str(exc.response.get("Error", {}).get("Code", ""))
     return code in {"404", "NoSuchKey", "NotFound"}
+
+
+def _read_payload(body: Any, out: memoryview, length: int) -> int:
+    """Up to `length` bytes of a streamed object body into `out`, a block at a time; returns
+    the bytes read (fewer where the object ends early)."""
+    done = 0
+    while done < length:
+        block = body.read(min(_READ_BLOCK, length - done))
+        if not block:
+            break
+        out[done : done + len(block)] = block
+        done += len(block)
+    return done
 
 
 def make_s3_client(config: ObjectStoreTierConfig) -> Any:
@@ -141,15 +153,14 @@ class ObjectStoreTier(SecondaryTier):
             raise
         body = response["Body"]
         try:
-            header = check_blob(body.read(HEADER_BYTES), namespace, key, len(out))
-            done = 0
-            while done < header.length:
-                block = body.read(min(_READ_BLOCK, header.length - done))
-                if not block:
-                    raise CorruptChunk("object is shorter than its header says")
-                out[done : done + len(block)] = block
-                done += len(block)
-            check_payload(header, out)
+            header = checked_read(
+                body.read(HEADER_BYTES),
+                namespace,
+                key,
+                out,
+                lambda header: _read_payload(body, out, header.length),
+                "object",
+            )
         except CorruptChunk:
             self._delete(name)
             raise
