@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvtier.agent.chunk import HEADER_BYTES, ChunkHeader, checksum
+from kvtier.agent.stats import PeerCounts
 
 
 class CorruptChunk(Exception):
@@ -128,9 +129,10 @@ class SecondaryTier(ABC):
     def maintain(self) -> int:
         """Periodic upkeep (rescans, eviction to the watermarks); returns chunks evicted."""
 
-    def counters(self) -> dict[str, int]:
-        """Tier-specific counters for the agent's stats (how chunks moved, refusals)."""
-        return {}
+    def counters(self) -> PeerCounts | None:
+        """The peer tier's traffic counters for the agent's stats; other tiers have none
+        beyond what every tier counts."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release clients and threads."""
