@@ -12,7 +12,7 @@ from typing import Any
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.local_agent import AgentProcess
-from tests.agent_helpers import load_exact, s3_tier, store, tier_stats, wait_for
+from tests.agent_helpers import load_exact, s3_tier, scrape, store, tier_stats, wait_for
 from tests.conftest import free_port
 from tests.helpers import NS, key
 
@@ -53,7 +53,17 @@ def test_two_agents_share_a_filesystem_tier(
         assert found.where == [1] * 10 + [-1, -1] and found.prefix == 10
         assert load_exact(cb, list(range(10))) == [True] * 10
         assert cb.lookup(NS, [key(i) for i in range(10)]).where == [0] * 10  # promoted
-        assert tier_stats(cb, "shared-fs").counts.promotions == 10
+        stats = cb.stats()
+        assert stats.metrics_port is not None
+        metrics = scrape(stats.metrics_port)
+    counts = stats.tier("shared-fs").counts
+    assert counts.promotions == 10 and counts.misses >= 2
+    # /metrics reads the same counters the stats reply carries
+    assert metrics['kvtier_promotions_total{tier="shared-fs"}'] == counts.promotions
+    assert metrics['kvtier_tier_misses_total{tier="shared-fs"}'] == counts.misses
+    assert metrics['kvtier_hits_total{tier="shared-fs"}'] == counts.hits
+    assert metrics['kvtier_hits_total{tier="host"}'] == stats.host.hits > 0
+    assert metrics["kvtier_lookups_total"] == stats.host.lookups
 
 
 def written_to_fs_and_s3(client: AgentClient, chunks: int) -> None:
