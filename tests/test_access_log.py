@@ -80,6 +80,8 @@ def test_sampling_keeps_whole_requests_by_first_chunk() -> None:
         for turn in range(3):  # requests that start alike are kept or dropped together
             keys = [b"head%d" % head, *(b"t%d-%d" % (head, t) for t in range(turn + 1))]
             kept.setdefault(head, set()).add(log.record_request("ns", keys, 0, now=0.0))
+        # the first key's id alone decides, before any other key's id is computed
+        assert {log.sampled("ns", b"head%d" % head)} == kept[head]
     assert all(len(choice) == 1 for choice in kept.values())
     rate = sum(True in c for c in kept.values()) / len(kept)
     assert 0.2 < rate < 0.3

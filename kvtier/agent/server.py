@@ -242,8 +242,11 @@ class Agent:
         match request:
             case p.Lookup(namespace, keys, source):
                 hits, prefix = host.lookup(namespace, keys)
-                # keys logged by digest, as lookups clients answer are reported (Looked)
-                self.access_log.record_request(namespace, digest_ids(namespace, keys), hits)
+                # keys logged by digest, as lookups clients answer are reported (Looked);
+                # the digests of all keys only for a request the log keeps
+                first = digest_ids(namespace, keys[:1])
+                if self.access_log.sampled(namespace, first[0] if first else None):
+                    self.access_log.record(namespace, digest_ids(namespace, keys), hits)
                 if self.tiers is not None and prefix < len(keys):
                     return lambda: self._lookup_tiers(namespace, keys, hits, source, deadline)
                 return p.LookupReply(hits, prefix, [0 if h else Where.MISS for h in hits])
