@@ -15,6 +15,7 @@ import pytest
 from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.pool import PoolMap
+from kvtier.agent.stats import StoreSkips
 from kvtier.local_agent import AgentProcess
 from tests.agent_helpers import find_slot, scrape
 from tests.conftest import ROW
@@ -39,6 +40,11 @@ def test_store_lookup_load_roundtrip(agent: AgentProcess) -> None:
         assert not outs[8].any()
         stats = wait_settled(client)
         assert stats.host.chunks == 8 and stats.host.namespaces == {NS: 8}
+        assert stats.host.store_skipped == StoreSkips(exists=2)
+        assert stats.metrics_port is not None
+        metrics = scrape(stats.metrics_port)
+    assert metrics['kvtier_store_skipped_total{reason="exists"}'] == 2
+    assert metrics['kvtier_store_skipped_total{reason="full"}'] == 0
 
 
 def test_four_client_processes_store_and_load_concurrently(agent: AgentProcess) -> None:

@@ -18,7 +18,14 @@ from kvtier.agent.config import ReportConfig
 from kvtier.agent.node_status import NodeStatus, build_report, read_node_status
 from kvtier.agent.registry import FileRegistry, KubernetesRegistry
 from kvtier.agent.report import Reporter
-from kvtier.agent.stats import AgentStats, HostStats, PolicyStats, TierCounts, TierStats
+from kvtier.agent.stats import (
+    AgentStats,
+    HostStats,
+    PolicyStats,
+    StoreSkips,
+    TierCounts,
+    TierStats,
+)
 from tests.kube_api import KubeAPI
 
 STATS = AgentStats(
@@ -38,7 +45,7 @@ STATS = AgentStats(
         lookups=10,
         hits=6,
         evictions=0,
-        store_full=0,
+        store_skipped=StoreSkips(),
         leases_expired=0,
         leases_reclaimed=0,
         corrupt=0,

@@ -48,7 +48,7 @@ from kvtier.agent.pool_layout import (
 )
 from kvtier.agent.protocol import StoreCode
 from kvtier.agent.shm_index import TableWriter, index_path
-from kvtier.agent.stats import HostStats, PolicyStats
+from kvtier.agent.stats import HostStats, PolicyStats, StoreSkip, StoreSkips, Tally
 
 log = logging.getLogger("kvtier.agent.host")
 
@@ -56,10 +56,10 @@ TIER = "host"
 # Holders of the agent's own leases; ':' is never part of a client id (see protocol.py).
 PROMOTER = "agent:promoter"  # slots being filled from a secondary tier
 LENDER = "agent:peer"  # chunks being sent to other agents
-_SKIP_REASONS = {
+# FULL is the index's own count
+_SKIP_REASONS: dict[int, StoreSkip] = {
     StoreCode.EXISTS: "exists",
     StoreCode.BUSY: "busy",
-    StoreCode.FULL: "full",
     StoreCode.STAGING_FULL: "staging",
 }
 COPY_BLOCK = 256 << 10  # copied then hashed while in cache
@@ -109,7 +109,7 @@ class HostTier:
         self._copiers = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvtier-copy")
         self._store_bytes = metrics.store_bytes.labels(TIER)
         self._load_bytes = metrics.load_bytes.labels(TIER)
-        self._skipped = {code: metrics.store_skipped.labels(r) for code, r in _SKIP_REASONS.items()}
+        self._skipped: Tally[StoreSkips] = Tally(StoreSkips())
         self._bind_gauges()
 
     @property
@@ -238,8 +238,8 @@ class HostTier:
             if lease:
                 self._staged[lease] = staged
         for slot in slots:
-            if slot < 0:
-                self._skipped[StoreCode(slot)].inc()
+            if slot in _SKIP_REASONS:
+                self._skipped.add(_SKIP_REASONS[slot])
         return lease, slots, generations, staging
 
     def commit(self, lease: int, client: str) -> None:
@@ -344,8 +344,10 @@ class HostTier:
         return len(expired) + len(reclaimed)
 
     def stats(self) -> HostStats:
+        skipped = self._skipped.read()
         with self._lock:
             c = self._index.counters
+            skipped.full = c.full
             return HostStats(
                 capacity_bytes=self.geometry.slot_count * self.geometry.payload_bytes,
                 used_bytes=self._index.chunks * self.geometry.payload_bytes,
@@ -361,7 +363,7 @@ class HostTier:
                 lookups=c.lookups,
                 hits=c.hits,
                 evictions=c.evictions,
-                store_full=c.full,
+                store_skipped=skipped,
                 leases_expired=c.leases_expired,
                 leases_reclaimed=c.leases_reclaimed,
                 corrupt=self.corrupt,

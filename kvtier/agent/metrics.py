@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -70,11 +71,6 @@ class AgentMetrics:
             "kvtier_store_bytes", "Bytes committed by clients.", "tier"
         )
         self.load_bytes = self._counter("kvtier_load_bytes", "Bytes handed to clients.", "tier")
-        self.store_skipped = self._counter(
-            "kvtier_store_skipped",
-            "Keys of store requests not written, by reason (exists, busy, full).",
-            "reason",
-        )
         self.refused = self._counter(
             "kvtier_requests_refused",
             "Requests refused without effect, by op and code (not_registered, lease, invalid).",
@@ -165,6 +161,14 @@ class _StatsCollector(Collector):
         )
         yield lookups
         yield misses
+        skipped = CounterMetricFamily(
+            "kvtier_store_skipped",
+            "Keys of store requests not written, by reason (exists, busy, full, staging).",
+            labels=["reason"],
+        )
+        for reason, value in msgspec.structs.asdict(host.store_skipped).items():
+            skipped.add_metric([reason], value)
+        yield skipped
         reclaimed = CounterMetricFamily(
             "kvtier_leases_reclaimed",
             "Leases released because they expired or their client died.",

@@ -89,17 +89,18 @@ class PeerCounts(msgspec.Struct, kw_only=True):
     directory_keys: int = 0
 
 
-C = TypeVar("C", "TierCounts", "PeerCounts")
+C = TypeVar("C", "TierCounts", "PeerCounts", "StoreSkips")
 
 
 class Tally(Generic[C]):
-    """Counters of one kind (a `TierCounts` or `PeerCounts`) raised from several threads."""
+    """Counters of one kind (`TierCounts`, `PeerCounts`, `StoreSkips`) raised from several
+    threads."""
 
     def __init__(self, counts: C) -> None:
         self._counts: C = counts
         self._lock = threading.Lock()
 
-    def add(self, what: TierCount | PeerCount, n: int = 1) -> None:
+    def add(self, what: TierCount | PeerCount | StoreSkip, n: int = 1) -> None:
         with self._lock:
             setattr(self._counts, what, getattr(self._counts, what) + n)
 
@@ -108,6 +109,19 @@ class Tally(Generic[C]):
         with self._lock:
             copy: C = msgspec.structs.replace(self._counts)
             return copy
+
+
+StoreSkip = Literal["exists", "busy", "full", "staging"]
+
+
+class StoreSkips(msgspec.Struct, kw_only=True):
+    """Keys of store requests not written, by reason: held already, being written by
+    another store, no slot to evict (every chunk pinned), no staging slot free."""
+
+    exists: int = 0
+    busy: int = 0
+    full: int = 0
+    staging: int = 0
 
 
 class PolicyStats(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -143,7 +157,7 @@ class HostStats(msgspec.Struct, kw_only=True):
     lookups: int
     hits: int
     evictions: int
-    store_full: int
+    store_skipped: StoreSkips
     leases_expired: int
     leases_reclaimed: int
     corrupt: int
