@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.local_agent import AgentProcess
@@ -72,23 +74,22 @@ def written_to_fs_and_s3(client: AgentClient, chunks: int) -> None:
     wait_for(lambda: all(t.counts.writebacks == chunks for t in client.stats().tiers))
 
 
-def fs_and_s3_agent(
+@pytest.fixture
+def fs_and_s3(
     make_config: Callable[..., AgentConfig],
     agent_factory: StartAgent,
     scratch: Path,
     s3_bucket: dict[str, Any],
 ) -> tuple[AgentConfig, AgentProcess]:
+    """An agent with a filesystem tier (at scratch/fs) and an S3 tier behind its pool."""
     config = make_config({"tiers": [fs_tier(scratch / "fs"), s3_tier(s3_bucket)]})
     return config, agent_factory(config)
 
 
 def test_restart_with_empty_pool_serves_from_filesystem_and_s3(
-    make_config: Callable[..., AgentConfig],
-    agent_factory: StartAgent,
-    scratch: Path,
-    s3_bucket: dict[str, Any],
+    fs_and_s3: tuple[AgentConfig, AgentProcess], agent_factory: StartAgent, scratch: Path
 ) -> None:
-    config, first = fs_and_s3_agent(make_config, agent_factory, scratch, s3_bucket)
+    config, first = fs_and_s3
     with AgentClient(config.endpoint) as client:
         written_to_fs_and_s3(client, 8)
     first.kill()
@@ -104,12 +105,9 @@ def test_restart_with_empty_pool_serves_from_filesystem_and_s3(
 
 
 def test_one_request_served_from_three_tiers(
-    make_config: Callable[..., AgentConfig],
-    agent_factory: StartAgent,
-    scratch: Path,
-    s3_bucket: dict[str, Any],
+    fs_and_s3: tuple[AgentConfig, AgentProcess], scratch: Path
 ) -> None:
-    config, _ = fs_and_s3_agent(make_config, agent_factory, scratch, s3_bucket)
+    config, _ = fs_and_s3
     with AgentClient(config.endpoint) as client:
         written_to_fs_and_s3(client, 6)
         for i in (4, 5):  # these two stay on S3 only
@@ -124,15 +122,18 @@ def test_one_request_served_from_three_tiers(
         assert load_exact(client, ids) == [True] * 6 + [False]
 
 
+def unreachable_s3(s3_bucket: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """An S3 tier whose endpoint nobody listens on: every operation fails after `timeout`."""
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    return s3_tier(s3_bucket, endpoint=endpoint, timeoutSeconds=timeout, retries=0)
+
+
 def test_unreachable_s3_degrades_to_misses_in_time(
     make_config: Callable[..., AgentConfig],
     agent_factory: StartAgent,
     s3_bucket: dict[str, Any],
 ) -> None:
-    dead = s3_tier(
-        s3_bucket, endpoint=f"http://127.0.0.1:{free_port()}", timeoutSeconds=0.3, retries=0
-    )
-    config = make_config({"tiers": [dead], "tierBudgetSeconds": 0.5})
+    config = make_config({"tiers": [unreachable_s3(s3_bucket, 0.3)], "tierBudgetSeconds": 0.5})
     agent_factory(config)
     with AgentClient(config.endpoint, timeout=3) as client:
         store(client, range(5))
@@ -149,10 +150,8 @@ def test_full_write_back_queue_drops_without_blocking(
     agent_factory: StartAgent,
     s3_bucket: dict[str, Any],
 ) -> None:
-    slow = s3_tier(
-        s3_bucket, endpoint=f"http://127.0.0.1:{free_port()}", timeoutSeconds=1, retries=0
-    )
-    config = make_config({"tiers": [{**slow, "queueDepth": 1, "workers": 1}]})
+    slow = {**unreachable_s3(s3_bucket, 1), "queueDepth": 1, "workers": 1}
+    config = make_config({"tiers": [slow]})
     agent_factory(config)
     with AgentClient(config.endpoint, timeout=3) as client:
         started = time.monotonic()

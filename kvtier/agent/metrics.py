@@ -31,65 +31,53 @@ _LATENCY_BUCKETS = (
 
 
 class AgentMetrics:
+    """What only Prometheus keeps (bytes moved, refusals, latencies) and gauges read from
+    their source at each scrape; the counters the stats hold are exported from them
+    (`count_from`)."""
+
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self._occupancy()
-        self._traffic()
-        self._secondary()
-
-    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
-        return Counter(name, doc, labels, registry=self.registry)
-
-    def _gauge(self, name: str, doc: str, *labels: str) -> Gauge:
-        return Gauge(name, doc, labels, registry=self.registry)
-
-    def _histogram(self, name: str, doc: str, *labels: str) -> Histogram:
-        return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
-
-    def _occupancy(self) -> None:
-        """What each tier holds."""
-        self.capacity_bytes = self._gauge(
-            "kvtier_tier_capacity_bytes",
-            "Bytes the tier may hold.",
-            "tier",
+        self.registry = r = CollectorRegistry()
+        tier, op = ("tier",), ("op",)
+        # what each tier holds
+        self.capacity_bytes = Gauge(
+            "kvtier_tier_capacity_bytes", "Bytes the tier may hold.", tier, registry=r
         )
-        self.used_bytes = self._gauge(
-            "kvtier_tier_used_bytes", "Bytes of chunks the tier holds.", "tier"
+        self.used_bytes = Gauge(
+            "kvtier_tier_used_bytes", "Bytes of chunks the tier holds.", tier, registry=r
         )
-        self.chunks = self._gauge("kvtier_tier_chunks", "Chunks the tier holds.", "tier")
-        self.free_slots = self._gauge("kvtier_host_free_slots", "Unused pool slots.")
-        self.leases = self._gauge("kvtier_host_leases", "Leases held by clients.")
-        self.tier_healthy = self._gauge(
+        self.chunks = Gauge("kvtier_tier_chunks", "Chunks the tier holds.", tier, registry=r)
+        self.free_slots = Gauge("kvtier_host_free_slots", "Unused pool slots.", registry=r)
+        self.leases = Gauge("kvtier_host_leases", "Leases held by clients.", registry=r)
+        self.tier_healthy = Gauge(
             "kvtier_tier_healthy",
             "1 while a secondary tier answers; 0 after repeated failures, until a probe succeeds.",
-            "tier",
+            tier,
+            registry=r,
         )
-
-    def _traffic(self) -> None:
-        """Lookups, stores and loads as clients see them."""
-        self.store_bytes = self._counter(
-            "kvtier_store_bytes", "Bytes committed by clients.", "tier"
+        # stores, loads and requests as clients see them
+        self.store_bytes = Counter(
+            "kvtier_store_bytes", "Bytes committed by clients.", tier, registry=r
         )
-        self.load_bytes = self._counter("kvtier_load_bytes", "Bytes handed to clients.", "tier")
-        self.refused = self._counter(
+        self.load_bytes = Counter("kvtier_load_bytes", "Bytes handed to clients.", tier, registry=r)
+        self.refused = Counter(
             "kvtier_requests_refused",
             "Requests refused without effect, by op and code (not_registered, lease, invalid).",
-            "op",
-            "code",
+            (*op, "code"),
+            registry=r,
         )
-        self.request_seconds = self._histogram(
+        self.request_seconds = Histogram(
             "kvtier_request_seconds",
             "Time the agent spent on a control request.",
-            "op",
+            op,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
-
-    def _secondary(self) -> None:
-        """The time the secondary tiers' work takes (their counts come from the stats)."""
-        self.tier_seconds = self._histogram(
+        self.tier_seconds = Histogram(
             "kvtier_tier_op_seconds",
             "Duration of one secondary-tier operation (exists: per batch).",
-            "tier",
-            "op",
+            (*tier, *op),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
 
     def count_from(self, stats: Callable[[], AgentStats]) -> None:
@@ -146,6 +134,14 @@ _TIER_COUNTERS: list[tuple[str, str, str | None, dict[str, str]]] = [
 ]
 
 
+def _labelled(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
+    """A counter with one series per value of `label`."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value, count in values.items():
+        family.add_metric([value], count)
+    return family
+
+
 class _StatsCollector(Collector):
     """The counters of `AgentStats` as Prometheus series, taken from one stats call."""
 
@@ -161,22 +157,18 @@ class _StatsCollector(Collector):
         )
         yield lookups
         yield misses
-        skipped = CounterMetricFamily(
+        yield _labelled(
             "kvtier_store_skipped",
             "Keys of store requests not written, by reason (exists, busy, full, staging).",
-            labels=["reason"],
+            "reason",
+            msgspec.structs.asdict(host.store_skipped),
         )
-        for reason, value in msgspec.structs.asdict(host.store_skipped).items():
-            skipped.add_metric([reason], value)
-        yield skipped
-        reclaimed = CounterMetricFamily(
+        yield _labelled(
             "kvtier_leases_reclaimed",
             "Leases released because they expired or their client died.",
-            labels=["reason"],
+            "reason",
+            {"expired": host.leases_expired, "client_gone": host.leases_reclaimed},
         )
-        reclaimed.add_metric(["expired"], host.leases_expired)
-        reclaimed.add_metric(["client_gone"], host.leases_reclaimed)
-        yield reclaimed
         yield from self._per_tier(s)
         yield from self._peer(s)
 
@@ -205,14 +197,12 @@ class _StatsCollector(Collector):
         peer = next((t.peer for t in s.tiers if t.peer is not None), None)
         if peer is None:
             return
-        chunks = CounterMetricFamily(
+        yield _labelled(
             "kvtier_peer_chunks",
             "Chunks fetched from other agents, by data path (nixl, zmq).",
-            labels=["path"],
+            "path",
+            {"nixl": peer.nixl_reads, "zmq": peer.zmq_reads},
         )
-        chunks.add_metric(["nixl"], peer.nixl_reads)
-        chunks.add_metric(["zmq"], peer.zmq_reads)
-        yield chunks
         yield CounterMetricFamily(
             "kvtier_peer_nixl_failures",
             "NIXL connections or transfers that failed (the chunks came over ZMQ).",
@@ -228,15 +218,16 @@ class _StatsCollector(Collector):
             "Chunks this agent refused to lend, its maxLentChunks being reached.",
             value=peer.refused,
         )
-        refusals = CounterMetricFamily(
+        yield _labelled(
             "kvtier_peer_requests_refused",
             "Peer requests refused: from or naming a non-member, or a failed handshake.",
-            labels=["reason"],
+            "reason",
+            {
+                "not_member": peer.refused_requests,
+                "source_not_member": peer.refused_sources,
+                "handshake": peer.refused_handshakes,
+            },
         )
-        refusals.add_metric(["not_member"], peer.refused_requests)
-        refusals.add_metric(["source_not_member"], peer.refused_sources)
-        refusals.add_metric(["handshake"], peer.refused_handshakes)
-        yield refusals
         yield GaugeMetricFamily(
             "kvtier_peer_lent_slots", "Pool slots lent to other agents right now.", value=peer.lent
         )
