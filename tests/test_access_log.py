@@ -4,20 +4,16 @@ that exports as a trace `kvtier replay` reads, with the reuse structure of the t
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from kvtier.agent import protocol as p
 from kvtier.agent.access_log import AccessLog, to_records
-from kvtier.agent.config import AgentConfig
 from kvtier.cli import main
-from kvtier.local_agent import AgentProcess
 from kvtier.replay import Budget, load_trace, run
 from kvtier.tracegen import multi_turn, write
-from tests.chat_replay import chats_replayed
-from tests.conftest import ROW
+from tests.conftest import ROW, ChatsThroughAgent
 
 
 def chained(records: list[dict[str, object]]) -> list[list[bytes]]:
@@ -107,15 +103,10 @@ def test_export_replays_like_the_traffic(tmp_path: Path) -> None:
 
 
 def test_kvtier_trace_from_a_live_agent(
-    make_config: Callable[..., AgentConfig],
-    agent_factory: Callable[[AgentConfig], AgentProcess],
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    chats_through_agent: ChatsThroughAgent, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Traffic through a real agent, exported over its socket, is the traffic's trace."""
-    agent = agent_factory(make_config(policy="lru"))
-    chats = tmp_path / "chats.jsonl"
-    original, _ = chats_replayed(agent.config.endpoint, chats, seed=3, conversations=60)
+    agent, _, original, _ = chats_through_agent("lru", 3, 60)
     out = tmp_path / "my.jsonl.gz"
     argv = ["trace", "--agent", agent.config.endpoint, "-o", str(out), "--block-size", "512"]
     assert main(argv) == 0
