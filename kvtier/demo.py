@@ -52,19 +52,21 @@ class DemoOptions:
 
 @dataclass
 class ClientReport:
+    """One engine's replay of its conversations."""
+
     client: int
     turns: int = 0
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from kvtier: prefill avoided
     chunks_looked_up: int = 0
-    chunks_hit: int = 0
-    hits_host: int = 0
-    hits_fs: int = 0
+    chunks_hit: int = 0  # the lookups' hit prefixes
+    hits_host: int = 0  # ... found in the pool
+    hits_fs: int = 0  # ... found on the filesystem tier
     chunks_loaded: int = 0
-    chunks_stored: int = 0
+    chunks_stored: int = 0  # new chunks, after the hit prefix
     bytes_loaded: int = 0
     bytes_stored: int = 0
-    corrupt_loads: int = 0
+    corrupt_loads: int = 0  # loaded rows that differ from what was stored: must stay 0
     seconds: float = 0.0
 
 

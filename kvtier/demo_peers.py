@@ -26,14 +26,16 @@ from kvtier.workload import WorkloadShape, chunk_keys, conversation_turns, row_f
 
 @dataclass
 class PeerReport:
+    """The second node's replay of the first node's conversations."""
+
     turns: int = 0
     chunks_looked_up: int = 0
-    chunks_from_peer: int = 0
-    chunks_local: int = 0
+    chunks_from_peer: int = 0  # hit on the first node, through the peer tier
+    chunks_local: int = 0  # hit in this node's own pool (brought over earlier)
     chunks_loaded: int = 0
-    corrupt_loads: int = 0
+    corrupt_loads: int = 0  # loaded rows that differ from what was stored: must stay 0
     bytes_from_peer: int = 0
-    nixl_reads: int = 0
+    nixl_reads: int = 0  # the peer tier's reads by data path
     zmq_reads: int = 0
     seconds: float = 0.0
 

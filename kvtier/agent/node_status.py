@@ -26,9 +26,9 @@ class TierStatus(msgspec.Struct, rename="camel", kw_only=True):
     used_bytes: int = 0
     capacity_bytes: int = 0
     chunks: int = 0
-    hits: int = 0
-    misses: int = 0
-    healthy: bool = True
+    hits: int = 0  # keys looked up and found on this tier
+    misses: int = 0  # keys looked up and asked of this tier in vain
+    healthy: bool = True  # False while the agent skips it (see TiersHealthy)
 
 
 class Condition(msgspec.Struct, rename="camel", kw_only=True, omit_defaults=True):

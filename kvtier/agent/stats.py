@@ -42,26 +42,23 @@ PeerCount = Literal[
 
 
 class TierCounts(msgspec.Struct, kw_only=True):
-    """What one secondary tier did: keys asked for (hits, misses), chunks brought into the
-    pool (promotions) or written behind it (writebacks), write-backs dropped (its queue full,
-    half the pool pinned by write-backs already, the tier unhealthy), failures by operation,
-    chunks that failed verification, chunks it evicted."""
+    """What one secondary tier did since the agent started."""
 
-    hits: int = 0
-    misses: int = 0
-    promotions: int = 0
-    writebacks: int = 0
-    dropped_queue_full: int = 0
-    dropped_pool_pressure: int = 0
-    dropped_unhealthy: int = 0
-    write_errors: int = 0
+    hits: int = 0  # keys asked of it and found
+    misses: int = 0  # keys asked of it and not found
+    promotions: int = 0  # chunks read from it into the pool
+    writebacks: int = 0  # chunks written to it from the pool
+    dropped_queue_full: int = 0  # write-backs dropped: it fell behind
+    dropped_pool_pressure: int = 0  # ... half the pool pinned by write-backs already
+    dropped_unhealthy: int = 0  # ... it is marked unhealthy
+    write_errors: int = 0  # failed operations, by operation
     read_errors: int = 0
-    read_timeouts: int = 0
+    read_timeouts: int = 0  # reads not done within the request's budget
     exists_errors: int = 0
-    probe_errors: int = 0
+    probe_errors: int = 0  # probes of an unhealthy tier that failed
     maintain_errors: int = 0
-    corrupt: int = 0
-    evictions: int = 0
+    corrupt: int = 0  # chunks read from it that failed verification (dropped)
+    evictions: int = 0  # chunks its upkeep evicted to stay under its watermarks
 
     @property
     def dropped(self) -> int:
@@ -70,23 +67,22 @@ class TierCounts(msgspec.Struct, kw_only=True):
 
 
 class PeerCounts(msgspec.Struct, kw_only=True):
-    """The peer tier's traffic: chunks read by data path, NIXL transfers that fell back to
-    ZMQ, chunks busy holders refused, and what this agent refused or cleaned up."""
+    """The peer tier's traffic since the agent started, and its state now."""
 
-    nixl_reads: int = 0
-    zmq_reads: int = 0
-    nixl_failures: int = 0
-    busy: int = 0
-    batch_errors: int = 0
-    reannounced: int = 0
-    refused_sources: int = 0
-    idle_closed: int = 0
+    nixl_reads: int = 0  # chunks read from other agents over NIXL
+    zmq_reads: int = 0  # ... over ZMQ
+    nixl_failures: int = 0  # NIXL connections or transfers that failed (ZMQ took over)
+    busy: int = 0  # chunks holders refused to lend, being busy
+    batch_errors: int = 0  # batched reads from a holder that failed
+    reannounced: int = 0  # keys re-announced to their homes
+    refused_sources: int = 0  # requests naming a non-member as their source
+    idle_closed: int = 0  # idle connections closed
     lent: int = 0  # slots lent to other agents right now
     refused: int = 0  # chunks not lent, maxLentChunks being reached
-    refused_requests: int = 0
-    refused_handshakes: int = 0
-    connections: int = 0
-    directory_keys: int = 0
+    refused_requests: int = 0  # requests from or naming a non-member
+    refused_handshakes: int = 0  # CURVE handshakes with an unknown key
+    connections: int = 0  # connections to other agents open now
+    directory_keys: int = 0  # keys this agent is home to
 
 
 C = TypeVar("C", "TierCounts", "PeerCounts", "StoreSkips")
