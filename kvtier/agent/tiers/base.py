@@ -9,9 +9,11 @@ removing it, so the caller only counts it and treats it as a miss.
 from __future__ import annotations
 
 import re
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import xxhash
 
@@ -62,24 +64,6 @@ def check_blob(
 def check_payload(header: ChunkHeader, payload: memoryview) -> None:
     if checksum(payload[: header.length]) != header.checksum:
         raise CorruptChunk("checksum mismatch")
-
-
-def checked_read(
-    header_page: bytes | memoryview,
-    namespace: str,
-    key: bytes,
-    out: memoryview,
-    read_payload: Callable[[ChunkHeader], int],
-    blob: str,
-) -> ChunkHeader:
-    """A blob read back into `out`: its header checked against what was asked for, then its
-    payload, which `read_payload` puts in `out` (returning the bytes it got), checked for
-    length and checksum. Raises CorruptChunk; `blob` names what was read ("file")."""
-    header = check_blob(header_page, namespace, key, len(out))
-    if read_payload(header) < header.length:
-        raise CorruptChunk(f"{blob} is shorter than its header says")
-    check_payload(header, out)
-    return header
 
 
 class SecondaryTier(ABC):
@@ -138,8 +122,52 @@ class SecondaryTier(ABC):
         """Release clients and threads."""
 
 
+class BlobConfig(Protocol):
+    capacity: int
+
+
+C = TypeVar("C", bound=BlobConfig)
+
+
+class BlobTier(SecondaryTier, Generic[C]):
+    """A tier that keeps each chunk as one blob, its header page then its payload, named
+    `blob_path` under a root (a directory, a bucket's prefix), and counts the bytes it
+    holds against its configured capacity. `_lock` guards what subclasses count."""
+
+    blob = "blob"  # what one is called in errors: "file", "object"
+
+    def __init__(self, name: str, config: C, root: str) -> None:
+        super().__init__(name)
+        self.config = config
+        self._root = root
+        self._lock = threading.Lock()
+        self._used = 0
+
+    def blob_name(self, namespace: str, key: bytes) -> str:
+        # A plain string: pathlib costs several microseconds per operation on a hot path.
+        return self._root + blob_path(namespace, key)
+
+    def checked_read(
+        self,
+        header_page: bytes | memoryview,
+        namespace: str,
+        key: bytes,
+        out: memoryview,
+        read_payload: Callable[[ChunkHeader], int],
+    ) -> ChunkHeader:
+        """A blob read back into `out`: its header checked against what was asked for,
+        then its payload, which `read_payload` puts in `out` (returning the bytes it got),
+        checked for length and checksum. Raises CorruptChunk."""
+        header = check_blob(header_page, namespace, key, len(out))
+        if read_payload(header) < header.length:
+            raise CorruptChunk(f"{self.blob} is shorter than its header says")
+        check_payload(header, out)
+        return header
+
+
 __all__ = [
     "HEADER_BYTES",
+    "BlobTier",
     "CorruptChunk",
     "SecondaryTier",
     "TierUsage",
