@@ -13,7 +13,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -21,8 +21,9 @@ from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig, parse_config
 from kvtier.local_agent import AgentProcess
 from kvtier.polling import port_open, wait_for
-from kvtier.replay import Trace, load_trace, replay_agent
-from kvtier.tracegen import multi_turn, write
+
+if TYPE_CHECKING:
+    from kvtier.replay import Trace
 
 ROW = 64 * 1024
 
@@ -96,7 +97,7 @@ def agent_factory() -> Iterator[Callable[[AgentConfig], AgentProcess]]:
         proc.stop()
 
 
-ChatsThroughAgent = Callable[[str, int, int], tuple[AgentProcess, Path, Trace, dict[str, Any]]]
+ChatsThroughAgent = Callable[[str, int, int], "tuple[AgentProcess, Path, Trace, dict[str, Any]]"]
 
 
 @pytest.fixture
@@ -108,6 +109,11 @@ def chats_through_agent(
     """Start an agent with eviction policy `policy`, write the multi-turn chats of `seed` to
     tmp_path/chats.jsonl and replay them through it with real rows: the agent, the trace's
     path, the trace as loaded back, and the replay's report."""
+
+    # imported here: e2e's conftest imports this module under vLLM's environment, which
+    # lacks the agent's own dependencies
+    from kvtier.replay import load_trace, replay_agent
+    from kvtier.tracegen import multi_turn, write
 
     def run(
         policy: str, seed: int, conversations: int
