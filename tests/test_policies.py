@@ -14,22 +14,22 @@ def always(_chunk: object) -> bool:
 
 
 def test_lru_evicts_least_recent() -> None:
-    lru = LRUPolicy(3)
-    for k in "abc":
-        lru.on_insert(k)
-    lru.on_hit("a")
-    assert lru.evict(always) == "b"
-    assert lru.evict(always) == "c"
-    assert lru.evict(always) == "a"
+    lru = LRUPolicy(3)  # names chunks by slot
+    for slot in (0, 1, 2):
+        lru.on_insert(slot)
+    lru.on_hit(0)
+    assert lru.evict(always) == 1
+    assert lru.evict(always) == 2
+    assert lru.evict(always) == 0
     assert lru.evict(always) is None
 
 
 def test_eviction_skips_pinned() -> None:
     for policy in (LRUPolicy(3), ARCPolicy(3)):
-        for k in "abc":
-            policy.on_insert(k)
-        assert policy.evict(lambda c: c != "a") == "b"
-        assert policy.evict(lambda c: c == "zzz") is None
+        for slot in (0, 1, 2):
+            policy.on_insert(slot)
+        assert policy.evict(lambda c: c != 0) == 1
+        assert policy.evict(lambda c: c == 7) is None
         assert len(policy) == 2
 
 

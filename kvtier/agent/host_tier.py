@@ -92,6 +92,7 @@ class HostTier:
             boot,
             rest_seconds=lease_seconds,
             table=self.table,
+            key_of=self._key_in_slot,
         )
         self._lock = threading.Lock()
         self._promoting = 0  # slots reserved by promotions in flight (lock held)
@@ -402,6 +403,13 @@ class HostTier:
     def _write_header(self, slot: int, header: ChunkHeader) -> None:
         raw = header.pack()
         self.pool.header(slot)[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+
+    def _key_in_slot(self, slot: int) -> tuple[str, bytes]:
+        """The namespace and key the header of a held slot names: the index keeps no keys
+        of its own (see index.py)."""
+        header = ChunkHeader.unpack(self.pool.header(slot).data)
+        assert header is not None, f"slot {slot} holds a chunk but no header"
+        return header.namespace, header.key
 
     def _claim(self, slot: int, namespace: str, key: bytes, generation: int) -> None:
         """Mark a slot as being written for a chunk, with its new generation (lock held).

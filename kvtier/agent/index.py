@@ -15,12 +15,29 @@ go to another chunk, so a table entry never names a slot being rewritten.
 The slot of a store lease that expired rests for `rest_seconds` before it is used again (and
 so do slots an earlier agent process had handed to writers, see `rest`): its writer may
 still be copying into it, and would otherwise alter the chunk the slot holds next.
+
+What the index knows of a chunk lives in per-slot arrays, not in objects (a chunk being
+written or ready occupies exactly one slot): an object, dict entries and an ordering node per
+chunk cost about half a kilobyte each, gigabytes of agent memory for a pool of millions of
+chunks, where the arrays cost under 128 bytes a slot (`index_footprint_and_rate` in
+kvtier/bench/host.py measures it). A chunk is named by its namespace's number and a 128-bit
+blake2b digest of its key, found through open addressing over slot numbers (`_SlotMap`): two
+keys of one digest (a 2^-128 chance) would be taken for one chunk, which the slot's header in
+the pool, naming namespace and key in full, lets a reader tell. Keys are kept only where
+nothing else has them: the host tier reads a chunk's key back from its slot's header
+(`key_of`); an index without it (replay, tests) keeps them, and so does one whose policy
+names chunks by key rather than slot (ARC and prefix remember chunks after eviction, when no
+slot names them), sharing the policy's (namespace, key) tuples. An `Entry` is a view of one
+slot.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
+import struct
+from array import array
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,28 +56,121 @@ class LeaseError(ValueError):
 
 
 class EntryState(enum.IntEnum):
+    FREE = 0  # the slot holds no chunk
     WRITING = 1
     READY = 2
 
 
 ChunkKey = tuple[str, bytes]
+KeyOf = Callable[[int], ChunkKey]
+
+_MASK = (1 << 64) - 1
+_SALT = 0x9E3779B97F4A7C15  # odd, so each namespace number gets a salt of its own
+_HALVES = struct.Struct("<QQ").unpack
 
 
-@dataclass(eq=False)
+def _identity(namespace: int, key: bytes) -> tuple[int, int]:
+    """The 128-bit name of `key` in namespace number `namespace`, as two halves: the first
+    (salted by the namespace) places the chunk in the slot map, the second confirms it."""
+    first, second = _HALVES(hashlib.blake2b(key, digest_size=16).digest())
+    return first ^ (namespace * _SALT & _MASK), second
+
+
+class _SlotMap:
+    """Open addressing from a 64-bit hash to the slot placed under it. A slot's hash and a
+    tag that confirms it live in columns of the index (`hashes`, `tags`), so a position holds
+    only a slot number: 4 bytes, two to four positions per slot. Deletion shifts the rest of
+    a cluster back (no tombstones), so probes stay short however much the chunks churn."""
+
+    def __init__(self, slots: int, hashes: array[int], tags: array[int]) -> None:
+        size = 1 << (2 * max(slots, 1) - 1).bit_length()  # at least twice the slots
+        self._mask = size - 1
+        self._at = array("i", [-1]) * size
+        self._hashes = hashes
+        self._tags = tags
+
+    def find(self, h: int, tag: int) -> int:
+        """The slot placed under `h` with tag `tag`, or -1."""
+        at, hashes, tags, mask = self._at, self._hashes, self._tags, self._mask
+        pos = h & mask
+        while (slot := at[pos]) >= 0:
+            if hashes[slot] == h and tags[slot] == tag:
+                return slot
+            pos = (pos + 1) & mask
+        return -1
+
+    def add(self, slot: int) -> None:
+        """Place `slot` under the hash its column holds."""
+        at, mask = self._at, self._mask
+        pos = self._hashes[slot] & mask
+        while at[pos] >= 0:
+            pos = (pos + 1) & mask
+        at[pos] = slot
+
+    def discard(self, slot: int) -> None:
+        """Take `slot` out (its column still holding the hash it was placed under), moving
+        each later member of its cluster into the hole unless its home lies after the hole."""
+        at, hashes, mask = self._at, self._hashes, self._mask
+        hole = hashes[slot] & mask
+        while (held := at[hole]) != slot:
+            if held < 0:
+                raise KeyError(f"slot {slot} is not in the map")
+            hole = (hole + 1) & mask
+        pos = (hole + 1) & mask
+        while (moved := at[pos]) >= 0:
+            if (pos - (hashes[moved] & mask)) & mask >= (pos - hole) & mask:
+                at[hole] = moved
+                hole = pos
+            pos = (pos + 1) & mask
+        at[hole] = -1
+
+
 class Entry:
-    id: ChunkKey
-    slot: int
-    length: int
-    state: EntryState = EntryState.WRITING
-    pins: int = 0
-    hits: int = 0
-    checksum: int | None = None  # set once sealed: the bytes are complete and verified
-    generation: int = 0  # the slot's stamp while it holds this chunk
-    published: int = 0  # its digest in the shared table, 0 while not published there
+    """The chunk in one slot, read from the index's columns. Entries are used only while
+    their chunk holds the slot (pinned, or within one call under the agent's lock): a view
+    does not notice its slot going to another chunk. It knows its key where it was made from
+    one (a lease, a lookup by key); otherwise `id` asks the index."""
+
+    __slots__ = ("_index", "_key", "generation", "slot")
+
+    def __init__(self, index: HostIndex, slot: int, key: ChunkKey | None = None) -> None:
+        self._index = index
+        self.slot = slot
+        self.generation = index._generation[slot]  # the slot's stamp while it holds this chunk
+        self._key = key
+
+    @property
+    def id(self) -> ChunkKey:
+        return self._key if self._key is not None else self._index.key_at(self.slot)
+
+    @property
+    def hits(self) -> int:
+        return self._index._hits[self.slot]
+
+    @property
+    def length(self) -> int:
+        return self._index._length[self.slot]
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._index._length[self.slot] = value
+
+    @property
+    def checksum(self) -> int | None:
+        """Set once sealed: the bytes are complete and verified."""
+        index = self._index
+        return index._checksum[self.slot] if index._sealed[self.slot] else None
+
+    @checksum.setter
+    def checksum(self, value: int) -> None:
+        self._index._checksum[self.slot] = value
+        self._index._sealed[self.slot] = 1
 
     def header(self) -> ChunkHeader:
-        assert self.checksum is not None, "only a sealed chunk has a full header"
-        return ChunkHeader(self.id[0], self.id[1], self.length, self.checksum)
+        checksum = self.checksum
+        assert checksum is not None, "only a sealed chunk has a full header"
+        namespace, key = self.id
+        return ChunkHeader(namespace, key, self.length, checksum)
 
 
 @dataclass(eq=False)
@@ -92,21 +202,37 @@ class HostIndex:
         boot: int = 0,
         rest_seconds: float = 0.0,
         table: TableWriter | None = None,
+        key_of: KeyOf | None = None,
     ) -> None:
         self.slot_count = slot_count
         self.table = table
         self.policy = policy
         self.rest_seconds = rest_seconds
         self._resting: list[tuple[float, int]] = []  # (until, slot)
-        self._by_ns: dict[str, dict[bytes, Entry]] = {}
-        # The READY subset of _by_ns, so a lookup is one membership test per key.
-        self._ready: dict[str, dict[bytes, Entry]] = {}
-        self._free = list(range(slot_count - 1, -1, -1))
+        # Per slot, meaningful while its state is not FREE.
+        self._state = array("B", bytes(slot_count))
+        self._namespace = array("I", [0]) * slot_count  # its namespace's number
+        self._pins = array("i", [0]) * slot_count
+        self._hits = array("Q", [0]) * slot_count
+        self._length = array("Q", [0]) * slot_count
+        self._checksum = array("Q", [0]) * slot_count
+        self._sealed = array("B", bytes(slot_count))
+        self._generation = array("Q", [0]) * slot_count
+        self._published = array("Q", [0]) * slot_count  # its digest in the table; 0: not there
+        self._place = array("Q", [0]) * slot_count  # the two halves of its `_identity`
+        self._confirm = array("Q", [0]) * slot_count
+        self._chunks = _SlotMap(slot_count, self._place, self._confirm)
+        self._by_digest = _SlotMap(slot_count, self._published, self._namespace)
+        self._numbers: dict[str, int] = {}
+        self._by_slot = policy.by_slot
+        self._key_of = key_of
+        self._keeps_keys = key_of is None or not policy.by_slot
+        self._keys: list[ChunkKey | None] = [None] * slot_count if self._keeps_keys else []
+        self._free = array("i", range(slot_count - 1, -1, -1))
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count((boot << 32) + 1)
         self._generations = itertools.count((boot << 32) + 1)
-        self._pending_hits: list[tuple[str, list[bytes], list[bool]]] = []
-        self._published: dict[int, Entry] = {}  # digest -> entry, for reported lookups
+        self._pending_hits: list[tuple[int, int]] = []  # (slot, generation) per hit
         self._touched: list[Entry] = []
         self.counters = IndexCounters()
         self.events = ChunkEvents()
@@ -114,7 +240,18 @@ class HostIndex:
     # --- queries -------------------------------------------------------------------------
 
     def get(self, namespace: str, key: bytes) -> Entry | None:
-        return self._by_ns.get(namespace, {}).get(key)
+        slot = self._slot(self._numbers.get(namespace), key)
+        return Entry(self, slot, (namespace, key)) if slot >= 0 else None
+
+    def key_at(self, slot: int) -> ChunkKey:
+        """The namespace and key of the chunk in `slot`."""
+        if self._keeps_keys:
+            chunk = self._keys[slot]
+            if chunk is None:
+                raise LookupError(f"slot {slot} holds no chunk")
+            return chunk
+        assert self._key_of is not None  # given whenever keys are not kept
+        return self._key_of(slot)
 
     def lookup(self, namespace: str, keys: list[bytes]) -> tuple[list[bool], int]:
         """Per-key hits and the length of the longest all-hit prefix.
@@ -122,39 +259,36 @@ class HostIndex:
         The policy learns of the hits only at `touch`, which the agent calls after it has
         answered, so the eviction order's upkeep stays out of the lookup's latency.
         """
-        ready = self._ready.get(namespace, {})
-        hits = [k in ready for k in keys]
+        hits = self._count_lookup(self._ready_slots(namespace, keys))
         n_hits = sum(hits)
-        if n_hits:
-            self._pending_hits.append((namespace, keys, hits))
-        self.counters.lookups += len(keys)
-        self.counters.hits += n_hits
         return hits, hits.index(False) if n_hits < len(keys) else len(keys)
 
     def lookup_digests(self, namespace: str, digests: list[int]) -> list[bool]:
         """`lookup` by index digests (what clients report of the lookups they answered
         from the published table): the hits are the chunks published under them now."""
-        found = [self._published.get(d) for d in digests]
-        hits = [e is not None and e.id[0] == namespace for e in found]
-        n_hits = sum(hits)
-        if n_hits:
-            keys = [e.id[1] for e, hit in zip(found, hits, strict=True) if hit and e is not None]
-            self._pending_hits.append((namespace, keys, [True] * len(keys)))
-        self.counters.lookups += len(digests)
-        self.counters.hits += n_hits
-        return hits
+        number = self._numbers.get(namespace)
+        if number is None:
+            return self._count_lookup([-1] * len(digests))
+        find = self._by_digest.find
+        return self._count_lookup([find(d, number) for d in digests])
 
     def touch(self) -> None:
         """Tell the policy about the hits of lookups answered since the last call and raise
-        the entries' hit counts; the entries wait in `touched` for `take_touched`."""
-        for namespace, keys, hits in self._pending_hits:
-            ready = self._ready.get(namespace, {})
-            entries = [e for k, hit in zip(keys, hits, strict=True) if hit and (e := ready.get(k))]
-            for entry in entries:
-                entry.hits += 1
-            self.policy.on_hits([e.id for e in entries])
-            self._touched += entries
+        the entries' hit counts; the entries wait in `touched` for `take_touched`. A hit
+        whose chunk left its slot meanwhile is dropped (the generation tells)."""
+        state, generation, hits = self._state, self._generation, self._hits
+        touched = [
+            Entry(self, slot)
+            for slot, stamp in self._pending_hits
+            if state[slot] == EntryState.READY and generation[slot] == stamp
+        ]
         self._pending_hits.clear()
+        if not touched:
+            return
+        for entry in touched:
+            hits[entry.slot] += 1
+        self.policy.on_hits([self._chunk_id(e.slot) for e in touched])
+        self._touched += touched
 
     def take_touched(self) -> list[Entry]:
         """Entries hit since the last call (once per hit), whether `touch` ran after a reply
@@ -165,8 +299,17 @@ class HostIndex:
 
     def missing(self, namespace: str, keys: list[bytes]) -> list[bytes]:
         """Keys not readable from the pool, without counting a lookup."""
-        ready = self._ready.get(namespace, {})
-        return [k for k in keys if k not in ready]
+        slots = self._ready_slots(namespace, keys)
+        return [key for key, slot in zip(keys, slots, strict=True) if slot < 0]
+
+    def ready_keys(self) -> dict[str, set[bytes]]:
+        """Every sealed chunk's key, by namespace."""
+        held: dict[str, set[bytes]] = {}
+        for slot, state in enumerate(self._state):
+            if state == EntryState.READY:
+                namespace, key = self.key_at(slot)
+                held.setdefault(namespace, set()).add(key)
+        return held
 
     @property
     def chunks(self) -> int:
@@ -185,7 +328,7 @@ class HostIndex:
         return len(self._leases)
 
     def pinned_slots(self) -> int:
-        return sum(1 for t in self._by_ns.values() for e in t.values() if e.pins)
+        return len(self._pins) - self._pins.count(0)
 
     # --- store ---------------------------------------------------------------------------
 
@@ -207,57 +350,48 @@ class HostIndex:
         """
         if parents is not None:
             self.note_parents(namespace, keys, parents)
-        table = self._by_ns.setdefault(namespace, {})
+        number = self._number(namespace)
         slots: list[int] = []
         generations: list[int] = []
         entries: list[Entry] = []
         for key in keys:
-            existing = table.get(key)
-            slot = None if existing is not None else self._take_slot((namespace, key))
+            identity = _identity(number, key)
+            held = self._chunks.find(*identity)
+            chunk = (namespace, key)
+            slot = None if held >= 0 else self._take_slot(chunk)
             if slot is None:
-                if existing is not None:
-                    slots.append(
-                        StoreCode.EXISTS if existing.state is EntryState.READY else StoreCode.BUSY
-                    )
+                if held >= 0:
+                    ready = self._state[held] == EntryState.READY
+                    slots.append(StoreCode.EXISTS if ready else StoreCode.BUSY)
                 else:
                     self.counters.full += 1
                     slots.append(StoreCode.FULL)
                 generations.append(0)
                 continue
-            entry = Entry(
-                id=(namespace, key),
-                slot=slot,
-                length=length,
-                pins=1,
-                generation=next(self._generations),
-            )
-            table[key] = entry
+            self._hold(slot, number, identity, chunk, next(self._generations), length)
+            self._pins[slot] = 1
+            entry = Entry(self, slot, chunk)
             entries.append(entry)
             slots.append(slot)
             generations.append(entry.generation)
-        if not table:
-            del self._by_ns[namespace]
         if not entries:
             return 0, slots, generations
         return self._new_lease(client, "store", entries, deadline), slots, generations
 
-    def ready_keys(self) -> dict[str, set[bytes]]:
-        """Every sealed chunk's key, by namespace."""
-        return {ns: set(entries) for ns, entries in self._ready.items() if entries}
-
     def note_parents(self, namespace: str, keys: list[bytes], parents: list[bytes | None]) -> None:
         """Tell the policy each key's predecessor in its request (None where the store did
-        not name one), for the keys not held yet: what a store is about to add."""
+        not name one), for the keys not held yet: what a store is about to add. A policy that
+        names chunks by slot is not told: a parent need not be in the pool."""
         if len(parents) != len(keys):
             raise ValueError(f"{len(parents)} parents for {len(keys)} keys")
-        if all(p is None for p in parents):
+        if self._by_slot or all(p is None for p in parents):
             return
-        held = self._by_ns.get(namespace, {})
+        number = self._numbers.get(namespace)
         self.policy.on_parents(
             [
                 ((namespace, key), None if parent is None else (namespace, parent))
                 for key, parent in zip(keys, parents, strict=True)
-                if key not in held
+                if self._slot(number, key) < 0
             ]
         )
 
@@ -269,13 +403,12 @@ class HostIndex:
         lease = self._take(lease_id, client, "store")
         kept = []
         for entry in lease.entries:
-            entry.pins -= 1
+            self._pins[entry.slot] -= 1
             if keep is not None and not keep(entry):
-                self._by_ns[entry.id[0]].pop(entry.id[1], None)
+                self._vacate(entry.slot)
                 self._free.append(entry.slot)
                 continue
-            entry.state = EntryState.READY
-            self._make_ready(entry)
+            self._make_ready(entry.slot, entry.id)
             kept.append(entry)
         return kept
 
@@ -302,19 +435,18 @@ class HostIndex:
     ) -> tuple[int, list[int], list[int]]:
         """Pin the ready chunks among `keys` for reading; MISS for the others. Returns the
         lease, the slots and each granted slot's generation (0 for a miss)."""
-        ready = self._ready.get(namespace, {})
         slots: list[int] = []
         generations: list[int] = []
         entries: list[Entry] = []
-        for key in keys:
-            entry = ready.get(key)
-            if entry is None:
+        for key, slot in zip(keys, self._ready_slots(namespace, keys), strict=True):
+            if slot < 0:
                 slots.append(Where.MISS)
                 generations.append(0)
                 continue
-            entry.pins += 1
+            self._pins[slot] += 1
+            entry = Entry(self, slot, (namespace, key))
             entries.append(entry)
-            slots.append(entry.slot)
+            slots.append(slot)
             generations.append(entry.generation)
         if not entries:
             return 0, slots, generations
@@ -322,7 +454,7 @@ class HostIndex:
 
     def lease_bytes(self, lease_id: int) -> int:
         lease = self._leases.get(lease_id)
-        return sum(e.length for e in lease.entries) if lease else 0
+        return sum(self._length[e.slot] for e in lease.entries) if lease else 0
 
     def end_load(self, lease_id: int, client: str) -> None:
         self._release(self._take(lease_id, client, "load"))
@@ -330,35 +462,31 @@ class HostIndex:
     # --- maintenance ---------------------------------------------------------------------
 
     def pin(self, entry: Entry) -> None:
-        entry.pins += 1
+        self._pins[entry.slot] += 1
 
     def unpin(self, entry: Entry) -> None:
-        entry.pins -= 1
+        self._pins[entry.slot] -= 1
 
     def adopt(self, header: ChunkHeader, slot: int, generation: int) -> Entry:
         """Index a verified chunk found in the pool after a restart, keeping its slot's
         generation (readers of the earlier agent process may still be copying it)."""
         self._free.remove(slot)
-        namespace, key = header.namespace, header.key
-        entry = Entry(
-            id=(namespace, key),
-            slot=slot,
-            length=header.length,
-            state=EntryState.READY,
-            checksum=header.checksum,
-            generation=generation,
-        )
-        self._by_ns.setdefault(namespace, {})[key] = entry
-        self._make_ready(entry)
+        number = self._number(header.namespace)
+        chunk = (header.namespace, header.key)
+        self._hold(slot, number, _identity(number, header.key), chunk, generation, header.length)
+        entry = Entry(self, slot, chunk)
+        entry.checksum = header.checksum
+        self._make_ready(slot, chunk)
         return entry
 
     def remove(self, entry: Entry) -> None:
         """Drop a ready, unpinned chunk (it failed verification, or was deleted)."""
-        if entry.pins or entry.state is not EntryState.READY:
+        slot = entry.slot
+        if self._pins[slot] or self._state[slot] != EntryState.READY:
             return
-        self.policy.on_remove(entry.id)
-        self._forget(entry)
-        self._free.append(entry.slot)
+        self.policy.on_remove(self._chunk_id(slot))
+        self._forget(slot)
+        self._free.append(slot)
 
     def rest(self, slot: int, until: float) -> None:
         """Keep a free slot out of use until `until`: a writer may still copy into it."""
@@ -378,7 +506,7 @@ class HostIndex:
             self._release(lease, rest_until=now + self.rest_seconds)
         self.counters.leases_expired += len(expired)
         if self._resting:
-            self._free += [slot for until, slot in self._resting if until <= now]
+            self._free.extend(slot for until, slot in self._resting if until <= now)
             self._resting = [(until, slot) for until, slot in self._resting if until > now]
         return expired
 
@@ -425,53 +553,124 @@ class HostIndex:
         """End a lease. An unfinished write is worthless: its slot goes back, to rest until
         `rest_until` when its writer may still be copying (the lease expired)."""
         for entry in lease.entries:
-            entry.pins -= 1
+            slot = entry.slot
+            self._pins[slot] -= 1
             if lease.kind == "store":
-                self._by_ns[entry.id[0]].pop(entry.id[1], None)
+                self._vacate(slot)
                 if rest_until is None:
-                    self._free.append(entry.slot)
+                    self._free.append(slot)
                 else:
-                    self._resting.append((rest_until, entry.slot))
+                    self._resting.append((rest_until, slot))
+
+    def _number(self, namespace: str) -> int:
+        """The namespace's number, given it on first sight."""
+        number = self._numbers.get(namespace)
+        if number is None:
+            number = self._numbers[namespace] = len(self._numbers)
+        return number
+
+    def _slot(self, number: int | None, key: bytes) -> int:
+        """The slot holding `key` of namespace `number` (None: never seen), or -1."""
+        return -1 if number is None else self._chunks.find(*_identity(number, key))
+
+    def _ready_slots(self, namespace: str, keys: list[bytes]) -> list[int]:
+        """Each key's slot where its chunk is ready to read, else -1."""
+        number = self._numbers.get(namespace)
+        if number is None:
+            return [-1] * len(keys)
+        find, state, ready = self._chunks.find, self._state, EntryState.READY
+        slots = [find(*_identity(number, key)) for key in keys]
+        return [slot if slot >= 0 and state[slot] == ready else -1 for slot in slots]
+
+    def _count_lookup(self, slots: list[int]) -> list[bool]:
+        """Count a lookup that found the chunks in `slots` (-1: a miss) and keep its hits
+        for `touch`."""
+        hits = [slot >= 0 for slot in slots]
+        n_hits = sum(hits)
+        if n_hits:
+            generation = self._generation
+            self._pending_hits += [(slot, generation[slot]) for slot in slots if slot >= 0]
+        self.counters.lookups += len(slots)
+        self.counters.hits += n_hits
+        return hits
+
+    def _chunk_id(self, slot: int) -> ChunkId:
+        """What the policy calls the chunk in `slot`."""
+        return slot if self._by_slot else self._keys[slot]
+
+    def _slot_of(self, chunk: ChunkId) -> int:
+        """The slot of a chunk the policy names."""
+        if self._by_slot:
+            return cast(int, chunk)
+        namespace, key = cast(ChunkKey, chunk)
+        return self._slot(self._numbers[namespace], key)
 
     def _evictable(self, chunk: ChunkId) -> bool:
-        ns, key = cast(ChunkKey, chunk)
-        return self._by_ns[ns][key].pins == 0
+        return self._pins[self._slot_of(chunk)] == 0
 
     def _take_slot(self, incoming: ChunkKey) -> int | None:
         if self._free:
             return self._free.pop()
         if self._pending_hits:
             self.touch()
-        victim = self.policy.evict(self._evictable, incoming)
+        victim = self.policy.evict(self._evictable, None if self._by_slot else incoming)
         if victim is None:
             return None
-        ns, key = cast(ChunkKey, victim)
-        entry = self._by_ns[ns][key]
-        self._forget(entry)
+        slot = self._slot_of(victim)
+        self._forget(slot)
         self.counters.evictions += 1
-        return entry.slot
+        return slot
 
-    def _make_ready(self, entry: Entry) -> None:
-        ns, key = entry.id
-        self._ready.setdefault(ns, {})[key] = entry
-        self.policy.on_insert(entry.id)
-        self.counters.namespaces[ns] += 1
-        self.events.record(ns, key, removed=False)
+    def _hold(
+        self,
+        slot: int,
+        number: int,
+        identity: tuple[int, int],
+        chunk: ChunkKey,
+        generation: int,
+        length: int,
+    ) -> None:
+        """Give a free slot to a chunk being written."""
+        self._state[slot] = EntryState.WRITING
+        self._namespace[slot] = number
+        self._place[slot], self._confirm[slot] = identity
+        self._generation[slot] = generation
+        self._length[slot] = length
+        self._hits[slot] = self._pins[slot] = self._sealed[slot] = 0
+        self._chunks.add(slot)
+        if self._keeps_keys:
+            self._keys[slot] = chunk
+
+    def _vacate(self, slot: int) -> None:
+        """Take a chunk out of its slot, which is free from then on."""
+        self._chunks.discard(slot)
+        self._state[slot] = EntryState.FREE
+        if self._keeps_keys:
+            self._keys[slot] = None
+
+    def _make_ready(self, slot: int, chunk: ChunkKey) -> None:
+        namespace, key = chunk
+        self._state[slot] = EntryState.READY
+        self.policy.on_insert(self._chunk_id(slot))
+        self.counters.namespaces[namespace] += 1
+        self.events.record(namespace, key, removed=False)
         if self.table is not None:
-            d = digest(ns, key)
-            if self.table.put(d, entry.slot, entry.generation):
-                entry.published = d
-                self._published[d] = entry
+            d = digest(namespace, key)
+            if self.table.put(d, slot, self._generation[slot]):
+                self._published[slot] = d
+                self._by_digest.add(slot)
 
-    def _forget(self, entry: Entry) -> None:
-        ns, key = entry.id
-        if entry.published and self.table is not None:
-            self.table.remove(entry.published)
-            del self._published[entry.published]
-            entry.published = 0
-        del self._by_ns[ns][key]
-        del self._ready[ns][key]
-        self.events.record(ns, key, removed=True)
-        self.counters.namespaces[ns] -= 1
-        if not self.counters.namespaces[ns]:
-            del self.counters.namespaces[ns]
+    def _forget(self, slot: int) -> None:
+        """A ready chunk leaves the pool: withdrawn from the table before its slot can go to
+        another chunk."""
+        namespace, key = self.key_at(slot)
+        if self._published[slot]:
+            if self.table is not None:
+                self.table.remove(self._published[slot])
+            self._by_digest.discard(slot)
+            self._published[slot] = 0
+        self._vacate(slot)
+        self.events.record(namespace, key, removed=True)
+        self.counters.namespaces[namespace] -= 1
+        if not self.counters.namespaces[namespace]:
+            del self.counters.namespaces[namespace]

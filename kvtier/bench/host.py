@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich.progress import Progress
@@ -31,6 +31,9 @@ from kvtier.agent.pool import Bytes
 from kvtier.agent.pool_layout import PAGE
 from kvtier.bench.baseline import memcpy_rows, run_threads, shared_buffer, tmpfs_buffer
 from kvtier.local_agent import AgentProcess, scratch_config
+
+if TYPE_CHECKING:
+    from kvtier.agent.index import HostIndex
 
 NS = "bench"
 BATCH_BYTES = 64 << 20  # rows per call: an 8k-token prompt of 256-token chunks at 2 MiB
@@ -229,17 +232,15 @@ def ipc_round_trip(reps: int) -> dict[str, float]:
 def index_footprint_and_rate(entries: int, batch: int = 1024) -> dict[str, float]:
     """The published table and the agent's own index holding `entries` chunks: bytes per
     entry of each, and batched lookups per second (one thread) on the table, digests
-    included, half the keys held."""
-    import tracemalloc
-
-    from kvtier.agent.index import HostIndex
-    from kvtier.agent.policy import make_policy
+    included, half the keys held. The agent's index is measured under each policy on a
+    tenth as many chunks (its bytes per chunk do not depend on how many there are), and
+    its event log on its own."""
     from kvtier.agent.pool_layout import index_file_bytes
     from kvtier.agent.shm_index import TableReader, TableWriter, digests
 
     directory = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
     path = directory / "bench.pool.index"
-    keys = [i.to_bytes(32, "little") + b"\0\0\0\1" for i in range(entries)]
+    keys = [_index_key(i) for i in range(entries)]
     try:
         writer = TableWriter(path, entries, boot=1)
         for slot, d in enumerate(digests(NS, keys).tolist()):
@@ -261,25 +262,85 @@ def index_footprint_and_rate(entries: int, batch: int = 1024) -> dict[str, float
         writer.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    # The agent's own index, measured on a tenth as many chunks (it is plain Python objects,
-    # so its bytes per chunk do not depend on how many there are).
+    del keys, misses, queries
     sample = max(1, entries // 10)
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    index = HostIndex(sample, make_policy("lru", sample))
-    for start in range(0, sample, 1024):
-        part = keys[start : start + 1024]
-        lease, _, _ = index.allocate("bench", NS, part, PAGE, float("inf"))
-        index.commit(lease, "bench")
-    agent_per_entry = (tracemalloc.get_traced_memory()[0] - before) / sample
-    tracemalloc.stop()
-    del index
+    agent = {policy: agent_index_bytes(policy, sample) for policy in ("lru", "arc", "prefix")}
     return {
         "index_bytes_per_entry": table_per_entry,
-        "agent_index_bytes_per_entry": agent_per_entry,
+        "agent_index_bytes_per_entry": agent["lru"],  # the default policy
+        "agent_index_bytes_per_entry_arc": agent["arc"],
+        "agent_index_bytes_per_entry_prefix": agent["prefix"],
+        "agent_event_log_bytes_per_event": event_log_bytes(min(sample, 65536)),
         "index_lookups_per_s": rate,
         "index_entries": entries,
     }
+
+
+def _index_key(i: int) -> bytes:
+    return i.to_bytes(32, "little") + b"\0\0\0\1"
+
+
+KEY_BYTES = len(_index_key(0))
+
+
+def agent_index_bytes(policy: str, chunks: int) -> float:
+    """Bytes per chunk of the agent's own index holding `chunks` chunks under `policy`.
+
+    Traced from before the index is built, with the keys made inside the traced region, so
+    whatever the index keeps of them counts. As in the agent, each key is also written
+    where the slot's header would name it, a stand-in for the pool made before tracing
+    starts (the pool is shared memory, not the agent's heap), which the index may read keys
+    back from. Its log of stores and evictions is swapped for a one-event log: that log is
+    a ring of at most 65,536 events per namespace however many chunks the pool holds, and
+    `event_log_bytes` measures it.
+    """
+    import tracemalloc
+
+    from kvtier.agent.events import ChunkEvents
+    from kvtier.agent.index import HostIndex
+    from kvtier.agent.policy import make_policy
+
+    headers = bytearray(chunks * KEY_BYTES)
+
+    def key_of(slot: int) -> tuple[str, bytes]:
+        return NS, bytes(headers[slot * KEY_BYTES : (slot + 1) * KEY_BYTES])
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = HostIndex(chunks, make_policy(policy, chunks), key_of=key_of)
+    index.events = ChunkEvents(per_namespace=1)
+    _fill(index, chunks, headers)
+    per_chunk = (tracemalloc.get_traced_memory()[0] - before) / chunks
+    tracemalloc.stop()
+    return per_chunk
+
+
+def _fill(index: HostIndex, chunks: int, headers: bytearray) -> None:
+    """Store and commit `chunks` new chunks, 1,024 a lease, keeping no key here."""
+    for start in range(0, chunks, 1024):
+        keys = [_index_key(i) for i in range(start, min(start + 1024, chunks))]
+        lease, slots, _ = index.allocate("bench", NS, keys, PAGE, float("inf"))
+        for slot, key in zip(slots, keys, strict=True):
+            headers[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] = key
+        index.commit(lease, "bench")
+
+
+def event_log_bytes(events: int) -> float:
+    """Bytes per event of the index's log of stores and evictions (kept for KV-event
+    consumers), keys included, for up to its 65,536 events per namespace."""
+    import tracemalloc
+
+    from kvtier.agent.events import ChunkEvents
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    log = ChunkEvents()
+    for i in range(events):
+        log.record(NS, _index_key(i), removed=False)
+    per_event = (tracemalloc.get_traced_memory()[0] - before) / events
+    tracemalloc.stop()
+    del log
+    return per_event
 
 
 def run(quick: bool) -> dict[str, Any]:

@@ -1,44 +1,76 @@
-"""Least-recently-used eviction."""
+"""Least-recently-used eviction, as a doubly linked list over pool slots.
+
+It forgets a chunk the moment it leaves, so it names chunks by slot (`by_slot`) and keeps
+its order in two arrays of slot numbers, 8 bytes a slot, where a linked dict of keys costs
+over a hundred bytes a chunk.
+"""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable
+from typing import cast
 
 from kvtier.agent.policy.base import ChunkId, EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):
     name = "lru"
+    by_slot = True
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._order: OrderedDict[ChunkId, None] = OrderedDict()
+        # Slot `capacity` stands for both ends: its next is the least recent chunk, its
+        # previous the most recent. -1 marks a slot not in the list.
+        self._next = array("i", [-1]) * (capacity + 1)
+        self._prev = array("i", [-1]) * (capacity + 1)
+        self._next[capacity] = self._prev[capacity] = capacity
+        self._len = 0
 
     def on_insert(self, chunk: ChunkId) -> None:
-        self._order[chunk] = None
-        self._order.move_to_end(chunk)
+        slot = cast(int, chunk)
+        if self._next[slot] >= 0:
+            self._unlink(slot)
+        self._append(slot)
 
     def on_hit(self, chunk: ChunkId) -> None:
-        if chunk in self._order:
-            self._order.move_to_end(chunk)
-
-    def on_hits(self, chunks: Sequence[ChunkId]) -> None:
-        move = self._order.move_to_end
-        for chunk in chunks:
-            move(chunk)
+        slot = cast(int, chunk)
+        if self._next[slot] >= 0:
+            self._unlink(slot)
+            self._append(slot)
 
     def on_remove(self, chunk: ChunkId) -> None:
-        self._order.pop(chunk, None)
+        slot = cast(int, chunk)
+        if self._next[slot] >= 0:
+            self._unlink(slot)
 
     def evict(
         self, evictable: Callable[[ChunkId], bool], incoming: ChunkId | None = None
     ) -> ChunkId | None:
-        for chunk in self._order:
-            if evictable(chunk):
-                del self._order[chunk]
-                return chunk
+        end, following = self.capacity, self._next
+        slot = following[end]
+        while slot != end:
+            if evictable(slot):
+                self._unlink(slot)
+                return slot
+            slot = following[slot]
         return None
 
     def __len__(self) -> int:
-        return len(self._order)
+        return self._len
+
+    def _append(self, slot: int) -> None:
+        end = self.capacity
+        last = self._prev[end]
+        self._next[last] = slot
+        self._prev[slot] = last
+        self._next[slot] = end
+        self._prev[end] = slot
+        self._len += 1
+
+    def _unlink(self, slot: int) -> None:
+        before, after = self._prev[slot], self._next[slot]
+        self._next[before] = after
+        self._prev[after] = before
+        self._next[slot] = self._prev[slot] = -1
+        self._len -= 1
