@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
+from array import array
+from collections import OrderedDict
+from unittest import mock
 
-from kvtier.agent.index import HostIndex, LeaseError
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.agent.index import HostIndex, LeaseError, _SlotMap
 from kvtier.agent.policy import make_policy
 from kvtier.agent.protocol import StoreCode, Where
+from kvtier.bench.host import agent_index_bytes
 
 EXISTS, BUSY, FULL = StoreCode.EXISTS, StoreCode.BUSY, StoreCode.FULL
 MISS = Where.MISS
@@ -174,3 +181,74 @@ def test_slot_of_an_expired_store_rests_before_reuse() -> None:
     index.expire(now=16.0)
     assert index.resting_slots == 0
     assert store(index, b"e") == resting
+
+
+PLACES = (29, 30, 31, 0, 1)  # homes at the end of a 32-position map and past it
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 11), st.integers(0, 19)), max_size=120))
+def test_slot_map_finds_exactly_the_slots_placed(ops: list[tuple[bool, int, int]]) -> None:
+    """Hashes of a few homes, wrapping past the end of the map, build long colliding probe
+    chains; after any mix of adds and removes (which shift chains back) every placed slot
+    is found under its hash and tag, and no other (hash, tag) finds anything."""
+    hashes, tags = array("Q", [0]) * 12, array("Q", [0]) * 12
+    table = _SlotMap(12, hashes, tags)
+    names = [
+        (variant << 5 | place, tag) for variant in range(2) for place in PLACES for tag in (0, 1)
+    ]
+    placed: dict[tuple[int, int], int] = {}
+    for add, slot, name in ops:
+        h, tag = names[name]
+        if add and slot not in placed.values() and (h, tag) not in placed:
+            hashes[slot], tags[slot] = h, tag
+            table.add(slot)
+            placed[h, tag] = slot
+        elif not add and slot in placed.values():
+            table.discard(slot)
+            del placed[hashes[slot], tags[slot]]
+        for h, tag in names:
+            assert table.find(h, tag) == placed.get((h, tag), -1)
+
+
+def _crowded_identities(number: int, keys: list[bytes]) -> list[tuple[int, int]]:
+    """Every key of a namespace in one of two homes: the map's probe chains collide."""
+    return [(key[-1] % 2 ^ number, int.from_bytes(key, "little")) for key in keys]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["store", "hit", "remove"]), st.integers(0, 9))))
+def test_index_agrees_with_a_dict_under_colliding_digests(ops: list[tuple[str, int]]) -> None:
+    """LRU through the index against an ordered dict of keys, with digests that put every
+    key in one of two homes: stores, evictions, hits and removals never lose a chunk, find
+    one under another key, or evict another than least recently used."""
+    index = HostIndex(4, make_policy("lru", 4))
+    model: OrderedDict[bytes, None] = OrderedDict()
+    everything = [b"k%d" % i for i in range(10)]
+    with mock.patch("kvtier.agent.index._identities", _crowded_identities):
+        for op, i in ops:
+            key = everything[i]
+            if op == "store" and key not in model:
+                if len(model) == 4:
+                    model.popitem(last=False)
+                model[key] = None
+                store(index, key)
+            elif op == "hit" and key in model:
+                model.move_to_end(key)
+                index.lookup("ns", [key])
+                index.touch()
+            elif op == "remove" and key in model:
+                del model[key]
+                entry = index.get("ns", key)
+                assert entry is not None
+                index.remove(entry)
+            assert index.missing("ns", everything) == [k for k in everything if k not in model]
+            held = [index.get("ns", k) for k in model]
+            assert [e.id for e in held if e is not None] == [("ns", k) for k in model]
+            assert len({e.slot for e in held if e is not None}) == len(model) == index.chunks
+
+
+def test_index_keeps_within_128_bytes_a_chunk() -> None:
+    """The agent's index (LRU, keys read back from the pool's slot headers), counting every
+    object it keeps: the keys included."""
+    assert agent_index_bytes("lru", 4096) <= 128

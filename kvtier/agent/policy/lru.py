@@ -8,7 +8,7 @@ over a hundred bytes a chunk.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from kvtier.agent.policy.base import ChunkId, EvictionPolicy
@@ -29,15 +29,30 @@ class LRUPolicy(EvictionPolicy):
 
     def on_insert(self, chunk: ChunkId) -> None:
         slot = cast(int, chunk)
-        if self._next[slot] >= 0:
-            self._unlink(slot)
-        self._append(slot)
+        if self._prev[slot] < 0:  # a list of its own, which a move to the end joins to this
+            self._next[slot] = self._prev[slot] = slot
+            self._len += 1
+        self.on_hits((slot,))
 
     def on_hit(self, chunk: ChunkId) -> None:
-        slot = cast(int, chunk)
-        if self._next[slot] >= 0:
-            self._unlink(slot)
-            self._append(slot)
+        self.on_hits((chunk,))
+
+    def on_hits(self, chunks: Sequence[ChunkId]) -> None:
+        """Move each chunk still held to the most recent end, in order (the links are
+        rewritten in place: every lookup's hits come here)."""
+        following, preceding, end = self._next, self._prev, self.capacity
+        for slot in cast(Sequence[int], chunks):
+            before = preceding[slot]
+            if before < 0:
+                continue
+            after = following[slot]
+            following[before] = after
+            preceding[after] = before
+            last = preceding[end]
+            following[last] = slot
+            preceding[slot] = last
+            following[slot] = end
+            preceding[end] = slot
 
     def on_remove(self, chunk: ChunkId) -> None:
         slot = cast(int, chunk)
@@ -58,15 +73,6 @@ class LRUPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return self._len
-
-    def _append(self, slot: int) -> None:
-        end = self.capacity
-        last = self._prev[end]
-        self._next[last] = slot
-        self._prev[slot] = last
-        self._next[slot] = end
-        self._prev[end] = slot
-        self._len += 1
 
     def _unlink(self, slot: int) -> None:
         before, after = self._prev[slot], self._next[slot]
