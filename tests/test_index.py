@@ -252,3 +252,18 @@ def test_index_keeps_within_128_bytes_a_chunk() -> None:
     """The agent's index (LRU, keys read back from the pool's slot headers), counting every
     object it keeps: the keys included."""
     assert agent_index_bytes("lru", 4096) <= 128
+
+
+def test_an_index_given_key_of_reads_keys_back_from_the_slots() -> None:
+    """As the host tier runs it: each key is written to its slot's header after allocate,
+    and the index names evicted and touched chunks by what the header says."""
+    headers: dict[int, bytes] = {}
+    index = HostIndex(2, make_policy("lru", 2), key_of=lambda slot: ("ns", headers[slot]))
+    for key in (b"a", b"b", b"c"):  # c evicts a
+        lease, slots, _ = index.allocate("c", "ns", [key], 10, FAR)
+        headers[slots[0]] = key
+        index.commit(lease, "c")
+    assert index.events.since("ns", 0).evicted == [b"a"]
+    assert index.ready_keys() == {"ns": {b"b", b"c"}}
+    index.lookup("ns", [b"c"])
+    assert [e.id for e in index.take_touched()] == [("ns", b"c")]

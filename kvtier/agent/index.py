@@ -17,8 +17,8 @@ so do slots an earlier agent process had handed to writers, see `rest`): its wri
 still be copying into it, and would otherwise alter the chunk the slot holds next.
 
 What the index knows of a chunk lives in per-slot arrays, not in objects (a chunk being
-written or ready occupies exactly one slot): an object, dict entries and an ordering node per
-chunk cost about half a kilobyte each, gigabytes of agent memory for a pool of millions of
+written or ready occupies exactly one slot): an object, dict entries and an ordering node
+cost about half a kilobyte a chunk, gigabytes of agent memory for a pool of millions of
 chunks, where the arrays cost under 128 bytes a slot (`index_footprint_and_rate` in
 kvtier/bench/host.py measures it). A chunk is named by its namespace's number and a 128-bit
 blake2b digest of its key, found through open addressing over slot numbers (`_SlotMap`): two
