@@ -48,9 +48,9 @@ def test_engines_reload_kv_from_the_agent(agent: AgentConfig) -> None:
     assert first["passes"][0] == first["passes"][1]  # prefix cache reset, same output
     with AgentClient(agent.endpoint) as client:
         stats = client.stats()
-    assert stats["chunks"] >= 2 * BLOCKS_PER_PROMPT
-    assert len(stats["namespaces"]) == 1
-    (namespace,) = stats["namespaces"]
+    assert stats.host.chunks >= 2 * BLOCKS_PER_PROMPT
+    assert len(stats.host.namespaces) == 1
+    (namespace,) = stats.host.namespaces
     assert f"kvtier namespace {namespace}" in engines.log  # the plug-in's line, in vLLM's log
 
     assert fresh["metrics"][HITS] >= 2 * BLOCKS_PER_PROMPT * 32
@@ -68,7 +68,7 @@ def test_bytes_altered_in_the_pool_after_sealing_are_never_loaded(agent: AgentCo
     run = {"model": model, "kv_transfer_config": kv_config(agent), "prompts": PROMPTS}
     (first,) = run_engines([run]).results
     with AgentClient(agent.endpoint) as client:
-        (namespace,) = client.stats()["namespaces"]
+        (namespace,) = client.stats().host.namespaces
     agent_python = os.environ.get("KVTIER_AGENT_PYTHON", sys.executable)
     hostile = [agent_python, "-m", "tests.pool_access", str(agent.pool_path), namespace]
     altered = int(
@@ -78,7 +78,7 @@ def test_bytes_altered_in_the_pool_after_sealing_are_never_loaded(agent: AgentCo
     (fresh,) = run_engines([run]).results
     assert fresh["passes"][0] == first["passes"][0]
     with AgentClient(agent.endpoint) as client:
-        assert client.stats()["corrupt"] == 0
+        assert client.stats().host.corrupt == 0
     assert fresh["metrics"][HITS] >= 2 * BLOCKS_PER_PROMPT * 32  # every chunk reloaded
 
 
@@ -98,7 +98,7 @@ def test_other_weights_or_config_at_the_same_path_get_no_hits(
     assert replaced["metrics"][HITS] == 0
     assert overridden["metrics"][HITS] == 0
     with AgentClient(agent.endpoint) as client:
-        assert len(client.stats()["namespaces"]) == 3
+        assert len(client.stats().host.namespaces) == 3
 
 
 @pytest.mark.timeout(1200)

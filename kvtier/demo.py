@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 from rich.console import Console
 from rich.progress import Progress
@@ -27,6 +28,7 @@ from rich.table import Table
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
+from kvtier.agent.stats import AgentStats
 from kvtier.agent.units import format_bytes
 from kvtier.local_agent import AgentProcess, scratch_config
 from kvtier.workload import WorkloadShape, chunk_keys, conversation_turns, row_for
@@ -50,26 +52,28 @@ class DemoOptions:
 
 @dataclass
 class ClientReport:
+    """One engine's replay of its conversations."""
+
     client: int
     turns: int = 0
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from kvtier: prefill avoided
     chunks_looked_up: int = 0
-    chunks_hit: int = 0
-    hits_host: int = 0
-    hits_fs: int = 0
+    chunks_hit: int = 0  # the lookups' hit prefixes
+    hits_host: int = 0  # ... found in the pool
+    hits_fs: int = 0  # ... found on the filesystem tier
     chunks_loaded: int = 0
-    chunks_stored: int = 0
+    chunks_stored: int = 0  # new chunks, after the hit prefix
     bytes_loaded: int = 0
     bytes_stored: int = 0
-    corrupt_loads: int = 0
+    corrupt_loads: int = 0  # loaded rows that differ from what was stored: must stay 0
     seconds: float = 0.0
 
 
 @dataclass
 class DemoReport:
     clients: list[ClientReport] = field(default_factory=list)
-    agent: dict[str, Any] = field(default_factory=dict)
+    agent: AgentStats | None = None
     # One point per completed turn: cumulative hits by tier and occupancy, for --plot.
     timeline: list[dict[str, float]] = field(default_factory=list)
 
@@ -88,7 +92,7 @@ class DemoReport:
             "prefill_tokens_avoided": self.total("cached_tokens"),
             "bytes_stored": self.total("bytes_stored"),
             "bytes_loaded": self.total("bytes_loaded"),
-            "evictions": self.agent.get("evictions", 0),
+            "evictions": self.agent.host.evictions if self.agent is not None else 0,
             "corrupt_loads": self.total("corrupt_loads"),
         }
 
@@ -145,14 +149,13 @@ def sample(
     host, fs, looked = turn
     last = timeline[-1] if timeline else {"host": 0.0, "fs": 0.0, "looked": 0.0}
     stats = client.stats()
-    tiers = stats.get("tiers", [])
     return {
         "turn": float(len(timeline) + 1),
         "host": last["host"] + host,
         "fs": last["fs"] + fs,
         "looked": last["looked"] + looked,
-        "host_used": stats["used_bytes"] / max(1, stats["capacity_bytes"]),
-        "fs_used_bytes": float(sum(t["used_bytes"] for t in tiers)),
+        "host_used": stats.host.used_bytes / max(1, stats.host.capacity_bytes),
+        "fs_used_bytes": float(sum(t.used_bytes for t in stats.tiers)),
     }
 
 
@@ -237,19 +240,20 @@ def _row(
     )
 
 
-def _agent_lines(agent: dict[str, Any]) -> list[str]:
+def _agent_lines(agent: AgentStats) -> list[str]:
     """What the agent holds, its host tier then each secondary tier."""
+    host = agent.host
     lines = [
-        f"host tier: {agent['chunks']} chunks in {agent['slots']} slots "
-        f"({format_bytes(agent['used_bytes'])} of {format_bytes(agent['capacity_bytes'])}), "
-        f"policy {agent['policy']}, {agent['evictions']} evictions"
+        f"host tier: {host.chunks} chunks in {host.slots} slots "
+        f"({format_bytes(host.used_bytes)} of {format_bytes(host.capacity_bytes)}), "
+        f"policy {host.policy.policy}, {host.evictions} evictions"
     ]
     lines += [
-        f"{t['kind']} tier {t['name']}: {t['chunks']} chunks "
-        f"({format_bytes(t['used_bytes'])} of {format_bytes(t['capacity_bytes'])}), "
-        f"{t.get('writebacks', 0)} written back, {t.get('promotions', 0)} promoted, "
-        f"{t.get('dropped', 0)} write-backs dropped"
-        for t in agent["tiers"]
+        f"{t.kind} tier {t.name}: {t.chunks} chunks "
+        f"({format_bytes(t.used_bytes)} of {format_bytes(t.capacity_bytes)}), "
+        f"{t.counts.writebacks} written back, {t.counts.promotions} promoted, "
+        f"{t.counts.dropped} write-backs dropped"
+        for t in agent.tiers
     ]
     return lines
 
@@ -289,8 +293,9 @@ def render(report: DemoReport, console: Console) -> None:
         f"prefill tokens avoided: {s['prefill_tokens_avoided']:,} of {s['prompt_tokens']:,}; "
         f"{s['corrupt_loads']} corrupt loads"
     )
-    for line in _agent_lines(report.agent):
-        console.print(line)
+    if report.agent is not None:
+        for line in _agent_lines(report.agent):
+            console.print(line)
 
 
 def run_demo(options: DemoOptions) -> int:
@@ -313,7 +318,7 @@ def run_demo(options: DemoOptions) -> int:
         document = {
             "summary": report.summary(),
             "clients": [asdict(c) for c in report.clients],
-            "agent": report.agent,
+            "agent": msgspec.to_builtins(report.agent),
             "second_node": asdict(second),
         }
         if engines is not None:

@@ -26,14 +26,16 @@ from kvtier.workload import WorkloadShape, chunk_keys, conversation_turns, row_f
 
 @dataclass
 class PeerReport:
+    """The second node's replay of the first node's conversations."""
+
     turns: int = 0
     chunks_looked_up: int = 0
-    chunks_from_peer: int = 0
-    chunks_local: int = 0
+    chunks_from_peer: int = 0  # hit on the first node, through the peer tier
+    chunks_local: int = 0  # hit in this node's own pool (brought over earlier)
     chunks_loaded: int = 0
-    corrupt_loads: int = 0
+    corrupt_loads: int = 0  # loaded rows that differ from what was stored: must stay 0
     bytes_from_peer: int = 0
-    nixl_reads: int = 0
+    nixl_reads: int = 0  # the peer tier's reads by data path
     zmq_reads: int = 0
     seconds: float = 0.0
 
@@ -65,7 +67,7 @@ def run_second_node(conversations: int = 3, turns: int = 4) -> PeerReport:
                     keys = chunk_keys(turn.prompt, shape.chunk_tokens)
                     rows = [row_for(k, ROW_BYTES) for k in keys]
                     stored += engine_a.store(NAMESPACE, keys, rows).stored
-                _wait(lambda: engine_a.stats()["tiers"][0].get("writebacks", 0) >= stored)
+                _wait(lambda: engine_a.stats().tiers[0].counts.writebacks >= stored)
             started = time.perf_counter()
             with AgentClient(b.endpoint) as engine_b:
                 buffers: list[Bytes] = []
@@ -84,10 +86,10 @@ def run_second_node(conversations: int = 3, turns: int = 4) -> PeerReport:
                     report.chunks_local += found.where[:prefix].count(0)
                     report.chunks_from_peer += found.where[:prefix].count(1)
                     report.chunks_loaded += sum(loaded)
-                peer = engine_b.stats()["tiers"][0]
+                peer = engine_b.stats().tiers[0].peer
             report.seconds = time.perf_counter() - started
-            report.nixl_reads = int(peer.get("nixl_reads", 0))
-            report.zmq_reads = int(peer.get("zmq_reads", 0))
+            assert peer is not None, "the second node's first tier is its peer tier"
+            report.nixl_reads, report.zmq_reads = peer.nixl_reads, peer.zmq_reads
             report.bytes_from_peer = (report.nixl_reads + report.zmq_reads) * ROW_BYTES
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

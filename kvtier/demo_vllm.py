@@ -100,8 +100,8 @@ def run_engines(vllm_python: Path, console: Console) -> dict[str, Any]:
             }
             for r in runs
         ],
-        "agent_chunks": stats["chunks"],
-        "agent_namespaces": stats["namespaces"],
+        "agent_chunks": stats.host.chunks,
+        "agent_namespaces": stats.host.namespaces,
     }
 
 

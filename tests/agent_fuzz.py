@@ -42,7 +42,7 @@ def snapshot(client: AgentClient, pool_path: Path) -> tuple[Any, ...]:
             headers.update(pool.header(slot).tobytes())
     finally:
         pool.close()
-    return (*tuple(stats[k] for k in STATE), headers.hexdigest())
+    return (*tuple(getattr(stats.host, k) for k in STATE), headers.hexdigest())
 
 
 def _msg(tag: str, **fields: Any) -> bytes:

@@ -21,6 +21,8 @@ from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig, parse_config
 from kvtier.local_agent import AgentProcess
 from kvtier.polling import port_open, wait_for
+from kvtier.replay import Trace, load_trace, replay_agent
+from kvtier.tracegen import multi_turn, write
 
 ROW = 64 * 1024
 
@@ -92,6 +94,30 @@ def agent_factory() -> Iterator[Callable[[AgentConfig], AgentProcess]]:
     yield start
     for proc in started:
         proc.stop()
+
+
+ChatsThroughAgent = Callable[[str, int, int], tuple[AgentProcess, Path, Trace, dict[str, Any]]]
+
+
+@pytest.fixture
+def chats_through_agent(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: Callable[[AgentConfig], AgentProcess],
+    tmp_path: Path,
+) -> ChatsThroughAgent:
+    """Start an agent with eviction policy `policy`, write the multi-turn chats of `seed` to
+    tmp_path/chats.jsonl and replay them through it with real rows: the agent, the trace's
+    path, the trace as loaded back, and the replay's report."""
+
+    def run(
+        policy: str, seed: int, conversations: int
+    ) -> tuple[AgentProcess, Path, Trace, dict[str, Any]]:
+        agent = agent_factory(make_config(policy=policy))
+        path = write(tmp_path / "chats.jsonl", multi_turn(seed=seed, conversations=conversations))
+        trace = load_trace(path)
+        return agent, path, trace, replay_agent(trace, agent.config.endpoint, ROW)
+
+    return run
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ def wait_settled(client: AgentClient, timeout: float = 10.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         stats = client.stats()
-        if stats["pinned_slots"] == 0 and stats["leases"] == 0:
+        if stats.host.pinned_slots == 0 and stats.host.leases == 0:
             return stats
         if time.monotonic() > deadline:
             raise TimeoutError(f"agent not settled: {stats}")

@@ -4,19 +4,16 @@ that exports as a trace `kvtier replay` reads, with the reuse structure of the t
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from kvtier.agent import protocol as p
 from kvtier.agent.access_log import AccessLog, to_records
-from kvtier.agent.config import AgentConfig
 from kvtier.cli import main
-from kvtier.local_agent import AgentProcess
-from kvtier.replay import Budget, load_trace, replay_agent, run
+from kvtier.replay import Budget, load_trace, run
 from kvtier.tracegen import multi_turn, write
-from tests.conftest import ROW
+from tests.conftest import ROW, ChatsThroughAgent
 
 
 def chained(records: list[dict[str, object]]) -> list[list[bytes]]:
@@ -79,6 +76,8 @@ def test_sampling_keeps_whole_requests_by_first_chunk() -> None:
         for turn in range(3):  # requests that start alike are kept or dropped together
             keys = [b"head%d" % head, *(b"t%d-%d" % (head, t) for t in range(turn + 1))]
             kept.setdefault(head, set()).add(log.record_request("ns", keys, 0, now=0.0))
+        # the first key's id alone decides, before any other key's id is computed
+        assert {log.sampled("ns", b"head%d" % head)} == kept[head]
     assert all(len(choice) == 1 for choice in kept.values())
     rate = sum(True in c for c in kept.values()) / len(kept)
     assert 0.2 < rate < 0.3
@@ -104,16 +103,10 @@ def test_export_replays_like_the_traffic(tmp_path: Path) -> None:
 
 
 def test_kvtier_trace_from_a_live_agent(
-    make_config: Callable[..., AgentConfig],
-    agent_factory: Callable[[AgentConfig], AgentProcess],
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    chats_through_agent: ChatsThroughAgent, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Traffic through a real agent, exported over its socket, is the traffic's trace."""
-    agent = agent_factory(make_config(policy="lru"))
-    path = write(tmp_path / "chats.jsonl", multi_turn(seed=3, conversations=60))
-    original = load_trace(path)
-    replay_agent(original, agent.config.endpoint, ROW)
+    agent, _, original, _ = chats_through_agent("lru", 3, 60)
     out = tmp_path / "my.jsonl.gz"
     argv = ["trace", "--agent", agent.config.endpoint, "-o", str(out), "--block-size", "512"]
     assert main(argv) == 0

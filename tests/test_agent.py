@@ -5,19 +5,19 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.pool import PoolMap
+from kvtier.agent.stats import StoreSkips
 from kvtier.local_agent import AgentProcess
+from tests.agent_helpers import find_slot, scrape
 from tests.conftest import ROW
 from tests.helpers import NS, hold_leases, key, loaned_chunk, row, store_and_verify, wait_settled
 
@@ -39,7 +39,12 @@ def test_store_lookup_load_roundtrip(agent: AgentProcess) -> None:
             assert np.array_equal(outs[i], row(i, ROW))
         assert not outs[8].any()
         stats = wait_settled(client)
-        assert stats["chunks"] == 8 and stats["namespaces"] == {NS: 8}
+        assert stats.host.chunks == 8 and stats.host.namespaces == {NS: 8}
+        assert stats.host.store_skipped == StoreSkips(exists=2)
+        assert stats.metrics_port is not None
+        metrics = scrape(stats.metrics_port)
+    assert metrics['kvtier_store_skipped_total{reason="exists"}'] == 2
+    assert metrics['kvtier_store_skipped_total{reason="full"}'] == 0
 
 
 def test_four_client_processes_store_and_load_concurrently(agent: AgentProcess) -> None:
@@ -84,19 +89,7 @@ def test_agent_killed_and_restarted_serves_same_chunks(
         outs = [np.zeros(ROW, np.uint8) for _ in keys]
         assert all(client.load_into(NS, keys, outs))
         assert all(np.array_equal(outs[i], row(i, ROW)) for i in range(20))
-        assert client.stats()["corrupt"] == 0
-
-
-def find_slot(pool_path: Path, wanted: bytes) -> int:
-    pool = PoolMap.open(pool_path, populate=False)
-    try:
-        for slot in range(pool.geometry.slot_count):
-            header = ChunkHeader.unpack(memoryview(pool.header(slot)))
-            if header is not None and header.key == wanted:
-                return slot
-    finally:
-        pool.close()
-    raise LookupError(wanted)
+        assert client.stats().host.corrupt == 0
 
 
 def test_corrupted_slot_is_never_served(
@@ -122,8 +115,8 @@ def test_corrupted_slot_is_never_served(
         assert client.load_into(NS, keys, outs) == [True, True, False, True, False]
         assert not outs[2].any()
         stats = client.stats()
-        assert stats["corrupt"] == 1 and stats["chunks"] == 3
-        metrics = scrape(stats["metrics_port"])
+        assert stats.host.corrupt == 1 and stats.host.chunks == 3
+        metrics = scrape(stats.metrics_port)
     assert metrics['kvtier_corrupt_chunks_total{tier="host"}'] == 1
     assert agent.proc is not None
 
@@ -139,19 +132,19 @@ def test_killed_client_does_not_leak_leases(agent: AgentProcess) -> None:
         holder.start()
         assert ready.wait(60)
         stats = client.stats()
-        assert stats["leases"] == 2 and stats["pinned_slots"] == 4
+        assert stats.host.leases == 2 and stats.host.pinned_slots == 4
         holder.kill()
         holder.join()
         # Lease timeout is 30 s: only the lock-file liveness check can free these in time.
         deadline = time.monotonic() + 5
-        while client.stats()["leases"] and time.monotonic() < deadline:
+        while client.stats().host.leases and time.monotonic() < deadline:
             time.sleep(0.05)
         stats = client.stats()
-        assert stats["leases"] == 0 and stats["pinned_slots"] == 0
-        assert stats["leases_reclaimed"] == 2
+        assert stats.host.leases == 0 and stats.host.pinned_slots == 0
+        assert stats.host.leases_reclaimed == 2
         assert client.lookup(NS, [key(1000)]).prefix == 0  # the half-written store is gone
         # Every slot can be used again: fill the whole pool without a FULL answer.
-        n = stats["slots"]
+        n = stats.host.slots
         result = client.store(
             NS, [key(i) for i in range(2000, 2000 + n)], [row(i, ROW) for i in range(n)]
         )
@@ -161,23 +154,11 @@ def test_killed_client_does_not_leak_leases(agent: AgentProcess) -> None:
 def test_expired_lease_is_released(short_lease_client: AgentClient) -> None:
     client = short_lease_client
     grant = loaned_chunk(client, ROW)
-    assert grant.lease and client.stats()["leases"] == 1
+    assert grant.lease and client.stats().host.leases == 1
     time.sleep(0.6)
     stats = client.stats()
-    assert stats["leases"] == 0 and stats["leases_expired"] == 1
+    assert stats.host.leases == 0 and stats.host.leases_expired == 1
     client.end_load(grant.lease)  # ending a lease the agent already released is harmless
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Samples of the agent's /metrics page, keyed like `name{label="v"}`."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
 
 
 def test_metrics_endpoint(agent: AgentProcess) -> None:
@@ -185,7 +166,7 @@ def test_metrics_endpoint(agent: AgentProcess) -> None:
         client.store(NS, [key(i) for i in range(3)], [row(i, ROW) for i in range(3)])
         client.lookup(NS, [key(0), key(1), key(99)])
         client.load_into(NS, [key(0)], [np.zeros(ROW, np.uint8)])
-        port = client.stats()["metrics_port"]
+        port = client.stats().metrics_port
     m = scrape(port)
     assert m['kvtier_hits_total{tier="host"}'] == 2
     assert m["kvtier_misses_total"] == 1
@@ -234,4 +215,5 @@ def test_client_reconnects_after_agent_restart(
 
 def test_stats_are_json_serialisable(agent: AgentProcess) -> None:
     with AgentClient(agent.config.endpoint) as client:
-        assert json.loads(json.dumps(client.stats()))["slots"] == 64
+        document = json.loads(msgspec.json.encode(client.stats()))
+    assert document["host"]["slots"] == 64 and document["tiers"] == []

@@ -19,9 +19,9 @@ from kvtier.agent.client import AgentClient
 from kvtier.agent.liveness import ClientLock
 from kvtier.local_agent import AgentProcess
 from tests.agent_fuzz import per_message_type, random_hostile, rid, snapshot
+from tests.agent_helpers import scrape
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled
-from tests.test_agent import scrape
 
 MESSAGES = int(os.environ.get("KVTIER_FUZZ_MESSAGES", "100000"))
 
@@ -177,8 +177,8 @@ def test_hostile_stream_never_disturbs_a_well_behaved_client(
             worker.join(60)
         assert outcome["rounds"] > 0 and outcome["wrong"] == 0
         stats = victim.stats()
-        assert stats["leases"] == 2  # the victim's, untouched
-        refused = scrape(stats["metrics_port"])
+        assert stats.host.leases == 2  # the victim's, untouched
+        refused = scrape(stats.metrics_port)
         total = sum(v for k, v in refused.items() if k.startswith("kvtier_requests_refused_total"))
         assert total == MESSAGES
         victim.commit(leases[0])

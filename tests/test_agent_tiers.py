@@ -9,14 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import pytest
 
-from kvtier import polling
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.local_agent import AgentProcess
-from tests.conftest import ROW, free_port
-from tests.helpers import NS, key, row
+from tests.agent_helpers import load_exact, s3_tier, scrape, store, tier_stats, wait_for
+from tests.conftest import free_port
+from tests.helpers import NS, key
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 
@@ -28,35 +28,9 @@ def fs_tier(path: Path, **kw: Any) -> dict[str, Any]:
     }
 
 
-def s3_tier(bucket: dict[str, Any], **kw: Any) -> dict[str, Any]:
-    fields = {k: v for k, v in bucket.items() if k != "client"}
-    return {"name": "s3", "objectStore": {**fields, **kw}}
-
-
 def fs_file(root: Path, i: int) -> Path:
     h = key(i).hex()
     return root / NS / h[:2] / h[2:4] / h
-
-
-def tier_stats(client: AgentClient, name: str) -> dict[str, Any]:
-    return next(t for t in client.stats()["tiers"] if t["name"] == name)
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 20.0) -> Any:
-    return polling.wait_for(predicate, timeout)
-
-
-def store(client: AgentClient, ids: range | list[int]) -> None:
-    ids = list(ids)
-    client.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
-
-
-def load_exact(client: AgentClient, ids: list[int]) -> list[bool]:
-    outs = [np.zeros(ROW, np.uint8) for _ in ids]
-    loaded = client.load_into(NS, [key(i) for i in ids], outs)
-    return [
-        ok and np.array_equal(o, row(i, ROW)) for i, ok, o in zip(ids, loaded, outs, strict=True)
-    ]
 
 
 def test_two_agents_share_a_filesystem_tier(
@@ -74,39 +48,48 @@ def test_two_agents_share_a_filesystem_tier(
     agent_factory(b)
     with AgentClient(a.endpoint) as ca:
         store(ca, range(10))
-        wait_for(lambda: tier_stats(ca, "shared-fs").get("writebacks", 0) == 10)
+        wait_for(lambda: tier_stats(ca, "shared-fs").counts.writebacks == 10)
     with AgentClient(b.endpoint) as cb:
         assert cb.tiers == ["host", "shared-fs"]
         found = cb.lookup(NS, [key(i) for i in range(12)])
         assert found.where == [1] * 10 + [-1, -1] and found.prefix == 10
         assert load_exact(cb, list(range(10))) == [True] * 10
         assert cb.lookup(NS, [key(i) for i in range(10)]).where == [0] * 10  # promoted
-        assert tier_stats(cb, "shared-fs")["promotions"] == 10
+        stats = cb.stats()
+        assert stats.metrics_port is not None
+        metrics = scrape(stats.metrics_port)
+    counts = stats.tier("shared-fs").counts
+    assert counts.promotions == 10 and counts.misses >= 2
+    # /metrics reads the same counters the stats reply carries
+    assert metrics['kvtier_promotions_total{tier="shared-fs"}'] == counts.promotions
+    assert metrics['kvtier_tier_misses_total{tier="shared-fs"}'] == counts.misses
+    assert metrics['kvtier_hits_total{tier="shared-fs"}'] == counts.hits
+    assert metrics['kvtier_hits_total{tier="host"}'] == stats.host.hits > 0
+    assert metrics["kvtier_lookups_total"] == stats.host.lookups
 
 
 def written_to_fs_and_s3(client: AgentClient, chunks: int) -> None:
     """Store `chunks` chunks and wait until both secondary tiers hold them."""
     store(client, range(chunks))
-    wait_for(lambda: all(t.get("writebacks", 0) == chunks for t in client.stats()["tiers"]))
+    wait_for(lambda: all(t.counts.writebacks == chunks for t in client.stats().tiers))
 
 
-def fs_and_s3_agent(
+@pytest.fixture
+def fs_and_s3(
     make_config: Callable[..., AgentConfig],
     agent_factory: StartAgent,
     scratch: Path,
     s3_bucket: dict[str, Any],
 ) -> tuple[AgentConfig, AgentProcess]:
+    """An agent with a filesystem tier (at scratch/fs) and an S3 tier behind its pool."""
     config = make_config({"tiers": [fs_tier(scratch / "fs"), s3_tier(s3_bucket)]})
     return config, agent_factory(config)
 
 
 def test_restart_with_empty_pool_serves_from_filesystem_and_s3(
-    make_config: Callable[..., AgentConfig],
-    agent_factory: StartAgent,
-    scratch: Path,
-    s3_bucket: dict[str, Any],
+    fs_and_s3: tuple[AgentConfig, AgentProcess], agent_factory: StartAgent, scratch: Path
 ) -> None:
-    config, first = fs_and_s3_agent(make_config, agent_factory, scratch, s3_bucket)
+    config, first = fs_and_s3
     with AgentClient(config.endpoint) as client:
         written_to_fs_and_s3(client, 8)
     first.kill()
@@ -116,23 +99,20 @@ def test_restart_with_empty_pool_serves_from_filesystem_and_s3(
 
     agent_factory(config)
     with AgentClient(config.endpoint) as client:
-        assert client.stats()["chunks"] == 0
+        assert client.stats().host.chunks == 0
         assert client.lookup(NS, [key(i) for i in range(8)]).where == [1] * 4 + [2] * 4
         assert load_exact(client, list(range(8))) == [True] * 8
 
 
 def test_one_request_served_from_three_tiers(
-    make_config: Callable[..., AgentConfig],
-    agent_factory: StartAgent,
-    scratch: Path,
-    s3_bucket: dict[str, Any],
+    fs_and_s3: tuple[AgentConfig, AgentProcess], scratch: Path
 ) -> None:
-    config, _ = fs_and_s3_agent(make_config, agent_factory, scratch, s3_bucket)
+    config, _ = fs_and_s3
     with AgentClient(config.endpoint) as client:
         written_to_fs_and_s3(client, 6)
         for i in (4, 5):  # these two stay on S3 only
             fs_file(scratch / "fs", i).unlink()
-        flush = range(100, 100 + client.stats()["slots"])
+        flush = range(100, 100 + client.stats().host.slots)
         store(client, flush)
         assert client.lookup(NS, [key(i) for i in flush]).prefix == len(flush)
         assert load_exact(client, [0, 1]) == [True, True]  # back into the pool
@@ -142,15 +122,18 @@ def test_one_request_served_from_three_tiers(
         assert load_exact(client, ids) == [True] * 6 + [False]
 
 
+def unreachable_s3(s3_bucket: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """An S3 tier whose endpoint nobody listens on: every operation fails after `timeout`."""
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    return s3_tier(s3_bucket, endpoint=endpoint, timeoutSeconds=timeout, retries=0)
+
+
 def test_unreachable_s3_degrades_to_misses_in_time(
     make_config: Callable[..., AgentConfig],
     agent_factory: StartAgent,
     s3_bucket: dict[str, Any],
 ) -> None:
-    dead = s3_tier(
-        s3_bucket, endpoint=f"http://127.0.0.1:{free_port()}", timeoutSeconds=0.3, retries=0
-    )
-    config = make_config({"tiers": [dead], "tierBudgetSeconds": 0.5})
+    config = make_config({"tiers": [unreachable_s3(s3_bucket, 0.3)], "tierBudgetSeconds": 0.5})
     agent_factory(config)
     with AgentClient(config.endpoint, timeout=3) as client:
         store(client, range(5))
@@ -159,7 +142,7 @@ def test_unreachable_s3_degrades_to_misses_in_time(
         assert time.monotonic() - started < 2
         assert found.where == [0] * 5 + [-1] * 5
         assert load_exact(client, list(range(10))) == [True] * 5 + [False] * 5
-        wait_for(lambda: tier_stats(client, "s3").get("write_errors", 0) == 5)
+        wait_for(lambda: tier_stats(client, "s3").counts.write_errors == 5)
 
 
 def test_full_write_back_queue_drops_without_blocking(
@@ -167,17 +150,15 @@ def test_full_write_back_queue_drops_without_blocking(
     agent_factory: StartAgent,
     s3_bucket: dict[str, Any],
 ) -> None:
-    slow = s3_tier(
-        s3_bucket, endpoint=f"http://127.0.0.1:{free_port()}", timeoutSeconds=1, retries=0
-    )
-    config = make_config({"tiers": [{**slow, "queueDepth": 1, "workers": 1}]})
+    slow = {**unreachable_s3(s3_bucket, 1), "queueDepth": 1, "workers": 1}
+    config = make_config({"tiers": [slow]})
     agent_factory(config)
     with AgentClient(config.endpoint, timeout=3) as client:
         started = time.monotonic()
         for i in range(20):
             store(client, [i])
         assert time.monotonic() - started < 3
-        wait_for(lambda: tier_stats(client, "s3").get("dropped", 0) > 0)
+        wait_for(lambda: tier_stats(client, "s3").counts.dropped > 0)
         assert client.lookup(NS, [key(i) for i in range(20)]).prefix == 20
 
 
@@ -189,12 +170,12 @@ def test_admission_after_hits(
     with AgentClient(config.endpoint) as client:
         store(client, range(3))
         time.sleep(0.3)
-        assert tier_stats(client, "shared-fs").get("writebacks", 0) == 0
+        assert tier_stats(client, "shared-fs").counts.writebacks == 0
         client.lookup(NS, [key(0), key(1)])
         client.lookup(NS, [key(0)])
-        wait_for(lambda: tier_stats(client, "shared-fs").get("writebacks", 0) == 1)
+        wait_for(lambda: tier_stats(client, "shared-fs").counts.writebacks == 1)
         time.sleep(0.3)
-        assert tier_stats(client, "shared-fs")["writebacks"] == 1
+        assert tier_stats(client, "shared-fs").counts.writebacks == 1
 
 
 def test_tier_directory_deleted_under_running_agent(
@@ -204,11 +185,11 @@ def test_tier_directory_deleted_under_running_agent(
     agent_factory(config)
     with AgentClient(config.endpoint) as client:
         store(client, range(4))
-        wait_for(lambda: tier_stats(client, "shared-fs").get("writebacks", 0) == 4)
+        wait_for(lambda: tier_stats(client, "shared-fs").counts.writebacks == 4)
         shutil.rmtree(scratch / "fs")
         assert client.lookup(NS, [key(i) for i in range(6)]).where == [0] * 4 + [-1] * 2
         store(client, [10])
-        wait_for(lambda: tier_stats(client, "shared-fs").get("writebacks", 0) == 5)
+        wait_for(lambda: tier_stats(client, "shared-fs").counts.writebacks == 5)
         assert (scratch / "fs" / NS / "manifest.json").exists()
 
 
@@ -219,7 +200,7 @@ def test_corrupt_file_is_never_loaded(
     first = agent_factory(config)
     with AgentClient(config.endpoint) as client:
         store(client, range(3))
-        wait_for(lambda: tier_stats(client, "shared-fs").get("writebacks", 0) == 3)
+        wait_for(lambda: tier_stats(client, "shared-fs").counts.writebacks == 3)
     first.kill()
     config.pool_path.unlink()
     path = fs_file(scratch / "fs", 1)
@@ -229,5 +210,5 @@ def test_corrupt_file_is_never_loaded(
     agent_factory(config)
     with AgentClient(config.endpoint) as client:
         assert load_exact(client, [0, 1, 2]) == [True, False, True]
-        assert tier_stats(client, "shared-fs")["corrupt"] == 1
+        assert tier_stats(client, "shared-fs").counts.corrupt == 1
         assert client.lookup(NS, [key(1)]).where == [-1]

@@ -9,6 +9,8 @@ that breaks it fails here, not in a vLLM pod or an agent container.
 - No module but the host tier takes the host tier's lock or reads its index: the others use
   its narrow interface (`HostTier.subscribe`, `pin_locked`, `events_since`, ...).
 - The operator loads no numpy: the config model it imports describes the pool without it.
+- No test or e2e module imports a test module (`tests.test_*`): what tests share lives in a
+  helper module named for what it holds.
 """
 
 from __future__ import annotations
@@ -160,6 +162,78 @@ def test_the_check_fails_when_broken(
     )
     (found,) = violations(FORBIDDEN)
     assert expected in found
+
+
+def named_test_module(name: str) -> str | None:
+    """The test module (`tests.test_agent`, `.test_agent`) a dotted import names, if any."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("test_") and (i == 0 or parts[0] in HARNESS or parts[0] == ""):
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def imported_test_modules(source: str) -> list[tuple[int, str]]:
+    """The test modules a source imports, at any depth, relative imports included."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            sep = "." if node.module else ""
+            names = [base] + [f"{base}{sep}{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {(node.lineno, m) for m in map(named_test_module, names) if m}
+    return sorted(found)
+
+
+def harness_files() -> list[Path]:
+    return sorted(p for part in ("tests", "e2e") for p in (ROOT / part).rglob("*.py"))
+
+
+def test_no_test_module_imports_another() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{n} imports {m}"
+        for path in harness_files()
+        for n, m in imported_test_modules(path.read_text())
+    ]
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from tests.test_agent import scrape\n", "tests.test_agent"),
+        ("import tests.test_chart\n", "tests.test_chart"),
+        ("def f():\n    from tests.test_peers import peer_stats\n", "tests.test_peers"),
+        ("from .test_agent import scrape\n", ".test_agent"),
+        ("from tests import test_agent\n", "tests.test_agent"),
+        ("from . import test_agent\n", ".test_agent"),
+        ("from tests.vllm.test_plugin import x\n", "tests.vllm.test_plugin"),
+    ],
+)
+def test_the_test_import_check_fails_when_broken(source: str, expected: str) -> None:
+    assert expected in {m for _, m in imported_test_modules(source)}
+
+
+def test_the_test_import_check_fails_on_a_planted_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    planted = tmp_path / "test_planted.py"
+    planted.write_text("from tests.test_agent import scrape\n")
+    monkeypatch.setattr("tests.test_architecture.ROOT", tmp_path)
+    monkeypatch.setattr("tests.test_architecture.harness_files", lambda: [planted])
+    with pytest.raises(AssertionError, match=r"test_planted\.py:1 imports tests\.test_agent"):
+        test_no_test_module_imports_another()
+
+
+def test_the_test_import_check_allows_helper_modules() -> None:
+    source = (
+        "from tests.agent_helpers import scrape\nfrom tests import netns\nimport tests.helpers\n"
+    )
+    assert imported_test_modules(source) == []
 
 
 HOST_TIER = "kvtier.agent.host_tier"

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -15,10 +13,8 @@ import pytest
 import yaml
 
 from kvtier.agent.config import parse_config
+from tests.chart_render import CHART, HELM, REPO, helm, render
 
-REPO = Path(__file__).resolve().parents[1]
-CHART = REPO / "charts" / "kvtier"
-HELM = str(Path(sys.executable).parent / "helm")
 FOREIGN = {"PodMonitor", "Certificate", "Issuer"}
 METRICS = {
     "kvtier_hits_total",
@@ -44,19 +40,6 @@ VALUE_SETS: dict[str, list[str]] = {
     ],
     "cert-manager": ["--set", "webhook.certManager.enabled=true", "--set", "image.tag=0.1.0-rc1"],
 }
-
-
-def helm(*args: str) -> str:
-    proc = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
-def render(*args: str) -> list[dict[str, Any]]:
-    text = helm(
-        "template", "kv", str(CHART), "--namespace", "kvtier-system", "--include-crds", *args
-    )
-    return [d for d in yaml.safe_load_all(text) if d]
 
 
 def test_lints_strictly() -> None:

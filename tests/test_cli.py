@@ -75,7 +75,7 @@ def test_demo_json_reports_hits_and_cleans_up(tmp_path: Path) -> None:
     # Conversations share system prompts and grow turn by turn, so later turns must hit.
     assert 0.3 < summary["hit_rate"] < 1.0
     assert summary["prefill_tokens_avoided"] > 0
-    assert summary["bytes_loaded"] == report["agent"]["slot_bytes"] * sum(
+    assert summary["bytes_loaded"] == report["agent"]["host"]["slot_bytes"] * sum(
         c["chunks_loaded"] for c in report["clients"]
     )
     # The second node loads, verified, what the first node's agent holds: every chunk it
@@ -98,7 +98,7 @@ def test_demo_filesystem_tier_serves_what_the_small_pool_evicted(tmp_path: Path)
     tiered, host_only = small_pool(), small_pool("--no-fs")
     assert tiered["summary"]["evictions"] > 0
     assert tiered["summary"]["hits_from_filesystem"] > 0
-    assert tiered["agent"]["tiers"][0]["promotions"] > 0
+    assert tiered["agent"]["tiers"][0]["counts"]["promotions"] > 0
     assert host_only["summary"]["hits_from_filesystem"] == 0
     assert tiered["summary"]["hit_rate"] > host_only["summary"]["hit_rate"]
 

@@ -42,18 +42,18 @@ def test_store_and_load_with_arbitrary_arguments(
         try:
             result = client.store(namespace, keys, rows)
         except (ValueError, AgentRefused):
-            assert client.stats()["leases"] == 0
+            assert client.stats().host.leases == 0
             return
         assert result.stored + result.skipped == len(keys)
         outs = [np.empty_like(r) for r in rows]
         try:
             loaded = client.load_into(namespace, keys, outs)
         except (ValueError, AgentRefused):
-            assert client.stats()["leases"] == 0
+            assert client.stats().host.leases == 0
             return
         for row, out, ok in zip(rows, outs, loaded, strict=True):
             assert not ok or np.array_equal(row, out)
-        assert client.stats()["leases"] == 0
+        assert client.stats().host.leases == 0
 
 
 def test_store_refuses_rows_of_unequal_size_before_asking(agent: AgentProcess) -> None:
@@ -61,7 +61,7 @@ def test_store_refuses_rows_of_unequal_size_before_asking(agent: AgentProcess) -
         rows = [np.zeros(ROW, np.uint8), np.zeros(ROW // 2, np.uint8)]
         with pytest.raises(ValueError, match="equal size"):
             client.store("ns", [b"a", b"b"], rows)
-        assert client.stats()["leases"] == 0
+        assert client.stats().host.leases == 0
 
 
 def test_lookup_reports_are_cut_into_messages_the_agent_accepts() -> None:

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.chart_render import render
 from tests.crd_rules import check_crd
-from tests.test_chart import render
 
 CRDS = sorted((Path(__file__).resolve().parents[1] / "crds").glob("*.yaml"))
 ROOT = "spec.validation.openAPIV3Schema"
@@ -59,6 +59,24 @@ def crd(spec: dict[str, Any], **root: Any) -> dict[str, Any]:
 
 def rule(text: str, **schema: Any) -> dict[str, Any]:
     return {**schema, "x-kubernetes-validations": [{"rule": text}]}
+
+
+STRING = {"type": "string"}
+
+
+def obj(properties: dict[str, Any], **schema: Any) -> dict[str, Any]:
+    """An object schema with the given properties and further keywords."""
+    return {"type": "object", "properties": properties, **schema}
+
+
+def named_list(list_type: str, **schema: Any) -> dict[str, Any]:
+    """A list of `{name: string}` objects with the given list type and further keywords."""
+    return {
+        "type": "array",
+        "x-kubernetes-list-type": list_type,
+        **schema,
+        "items": obj({"name": STRING}),
+    }
 
 
 @pytest.mark.parametrize("path", CRDS, ids=[p.name for p in CRDS])
@@ -132,27 +150,13 @@ REFUSED = [
         id="type-inside-allOf",
     ),
     pytest.param(
-        crd(
-            {
-                "mode": {
-                    "type": "object",
-                    "properties": {"a": {"type": "string"}},
-                    "not": {"properties": {"b": {"pattern": "^x$"}}},
-                }
-            }
-        ),
+        crd({"mode": obj({"a": STRING}, **{"not": {"properties": {"b": {"pattern": "^x$"}}}})}),
         f"{SPEC}.properties[mode].properties[b]: Required value: "
         f"because it is defined in {SPEC}.properties[mode].not.properties[b]",
         id="properties-inside-not-only",
     ),
     pytest.param(
-        crd(
-            {},
-            metadata={
-                "type": "object",
-                "properties": {"labels": {"type": "object", "maxProperties": 3}},
-            },
-        ),
+        crd({}, metadata=obj({"labels": {"type": "object", "maxProperties": 3}})),
         f"{ROOT}.properties[metadata]: Forbidden: must not specify anything other than name "
         "and generateName, but metadata is implicitly specified",
         id="metadata-restricts-labels",
@@ -163,57 +167,24 @@ REFUSED = [
         id="default-violates-its-schema",
     ),
     pytest.param(
-        crd(
-            {
-                "opts": {
-                    "type": "object",
-                    "properties": {"a": {"type": "string"}},
-                    "default": {"a": "x", "b": 1},
-                }
-            }
-        ),
+        crd({"opts": obj({"a": STRING}, default={"a": "x", "b": 1})}),
         f'{SPEC}.properties[opts].default: Invalid value: {{"a": "x", "b": 1}}: '
         "must not have unknown fields",
         id="default-with-unknown-fields",
     ),
     pytest.param(
-        crd(
-            {
-                "ports": {
-                    "type": "array",
-                    "x-kubernetes-list-type": "map",
-                    "items": {"type": "object", "properties": {"name": {"type": "string"}}},
-                }
-            }
-        ),
+        crd({"ports": named_list("map")}),
         f"{SPEC}.properties[ports].x-kubernetes-list-map-keys: Required value: "
         "must not be empty if x-kubernetes-list-type is map",
         id="list-map-without-keys",
     ),
     pytest.param(
-        crd(
-            {
-                "ports": {
-                    "type": "array",
-                    "x-kubernetes-list-type": "map",
-                    "x-kubernetes-list-map-keys": ["name"],
-                    "items": {"type": "object", "properties": {"name": {"type": "string"}}},
-                }
-            }
-        ),
+        crd({"ports": named_list("map", **{"x-kubernetes-list-map-keys": ["name"]})}),
         "name must be required or have a default value",
         id="list-map-key-optional",
     ),
     pytest.param(
-        crd(
-            {
-                "peers": {
-                    "type": "array",
-                    "x-kubernetes-list-type": "set",
-                    "items": {"type": "object", "properties": {"name": {"type": "string"}}},
-                }
-            }
-        ),
+        crd({"peers": named_list("set")}),
         f'{SPEC}.properties[peers].items: Invalid value: "object": items of a list-type set',
         id="list-set-of-granular-objects",
     ),
@@ -315,15 +286,7 @@ REFUSED = [
         id="transition-rule-in-atomic-list",
     ),
     pytest.param(
-        crd(
-            {
-                "labels": {
-                    "type": "object",
-                    "properties": {"app": {"type": "string"}},
-                    "additionalProperties": {"type": "string"},
-                }
-            }
-        ),
+        crd({"labels": obj({"app": STRING}, additionalProperties=STRING)}),
         f"{SPEC}.properties[labels].additionalProperties: Forbidden: "
         "additionalProperties and properties are mutual exclusive",
         id="properties-and-additionalProperties",

@@ -20,9 +20,9 @@ from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable, Lea
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.shm_index import digests
 from kvtier.local_agent import AgentProcess
+from tests.agent_helpers import wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, loaned_chunk, row, wait_settled
-from tests.test_agent_tiers import wait_for
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 
@@ -118,12 +118,15 @@ def test_client_copy_from_a_truncated_pool_is_a_miss_not_a_signal(agent: AgentPr
 
 def _pool_state(client: AgentClient) -> dict[str, Any]:
     stats = client.stats()
-    return {k: stats[k] for k in ("chunks", "leases", "pinned_slots", "free_slots", "evictions")}
+    return {
+        k: getattr(stats.host, k)
+        for k in ("chunks", "leases", "pinned_slots", "free_slots", "evictions")
+    }
 
 
 def test_refused_allocate_and_commit_take_no_effect(agent: AgentProcess) -> None:
     with AgentClient(agent.config.endpoint) as client:
-        n = client.stats()["slots"]
+        n = client.stats().host.slots
         client.store(NS, [key(i) for i in range(n)], [row(i, ROW) for i in range(n)])
         wait_settled(client)
         before = _pool_state(client)
@@ -145,7 +148,7 @@ def test_a_load_lease_cannot_be_committed(short_lease_client: AgentClient) -> No
     client.end_load(grant.lease)
     time.sleep(0.6)  # past the lease timeout: nothing may stay pinned
     stats = client.stats()
-    assert stats["pinned_slots"] == 0 and stats["leases"] == 0
+    assert stats.host.pinned_slots == 0 and stats.host.leases == 0
 
 
 class _SlowReader(AgentClient):
@@ -160,7 +163,7 @@ class _SlowReader(AgentClient):
 
     def slot(self, slot: int, nbytes: int | None = None) -> Any:
         time.sleep(self.stall_seconds)
-        n = self.writer.stats()["slots"]
+        n = self.writer.stats().host.slots
         self.writer.store(
             NS, [key(i) for i in range(100, 100 + n)], [row(i, ROW) for i in range(100, 100 + n)]
         )
@@ -194,7 +197,7 @@ def test_unleased_load_of_a_slot_given_to_another_chunk_is_not_counted(
         assert reader.index is not None
         slots, gens = reader.index.find(digests(NS, [key(0)]))
         assert slots[0] >= 0
-        n = writer.stats()["slots"]
+        n = writer.stats().host.slots
         others = range(1, n + 1)
         writer.store(NS, [key(i) for i in others], [row(i, ROW) for i in others])
         out = np.zeros(ROW, np.uint8)
@@ -210,7 +213,7 @@ def test_writer_whose_lease_expired_cannot_alter_the_next_chunk_of_its_slot(
     with AgentClient(config.endpoint) as slow, AgentClient(config.endpoint) as other:
         grant = slow.allocate(NS, [key(0)], ROW)
         time.sleep(1.3)  # the lease expires while the writer is descheduled (it rests 1 s)
-        n = other.stats()["slots"]
+        n = other.stats().host.slots
         other.store(NS, [key(i) for i in range(1, n + 1)], [row(i, ROW) for i in range(1, n + 1)])
         wait_settled(other)
         # the late copy lands in its staging slot (the pool is read-only to clients)
@@ -257,10 +260,10 @@ def test_client_that_missed_a_restart_is_registered_again(
         restarted.set()
         assert ready.wait(60)
         with AgentClient(config.endpoint) as client:
-            assert client.stats()["leases"] == 1
+            assert client.stats().host.leases == 1
             holder.kill()
             holder.join()
-            wait_for(lambda: client.stats()["leases"] == 0, timeout=5)  # the timeout is 30 s
+            wait_for(lambda: client.stats().host.leases == 0, timeout=5)  # the timeout is 30 s
         lock_dir = config.run_dir / "clients"
         assert not [p.name for p in lock_dir.iterdir() if p.name.startswith(f"{holder.pid}-")]
     finally:
@@ -324,4 +327,4 @@ def test_load_into_a_buffer_larger_than_a_slot_is_refused(agent: AgentProcess) -
         big = np.zeros(2 * ROW, np.uint8)
         with pytest.raises(ValueError, match="slot"):
             client.load_into(NS, [key(0)], [big])
-        assert client.stats()["leases"] == 0
+        assert client.stats().host.leases == 0

@@ -18,27 +18,10 @@ import yaml
 from kvtier.agent.config import ConfigError, parse_config
 from kvtier.operator.builders import build_agent_config, build_children
 from kvtier.operator.names import tier_group
-from kvtier.operator.settings import OperatorSettings
 from kvtier.operator.status import aggregate, merge_conditions, transitions
 from kvtier.operator.webhook import INJECTED, SKIPPED, mutate_pod, selects
 from tests.apiserver_rules import admit, load_crd
-from tests.manifests import example_tier
-
-SETTINGS = OperatorSettings(
-    image="registry.local/kvtier:test", allowed_nfs_servers=["nfs.storage.svc.cluster.local"]
-)
-RESOURCE = example_tier("8Gi")
-
-
-def tier() -> dict[str, Any]:
-    """The resource as the API server stores it: with the schema's defaults."""
-    stored, errors = admit(load_crd("kvcachetier.yaml"), copy.deepcopy(RESOURCE))
-    assert errors == []
-    return stored
-
-
-def by_kind(children: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {c["kind"]: c for c in children}
+from tests.operator_fixtures import POD, RESOURCE, SETTINGS, by_kind, tier
 
 
 def test_children_are_valid_owned_and_labelled() -> None:
@@ -212,23 +195,6 @@ def test_a_thousand_nodes_aggregate_in_one_pass() -> None:
     status = aggregate(nodes, desired=1000, now=NOW, heartbeat_timeout=60)
     assert status["nodes"]["ready"] == 1000
     assert status["host"]["usedBytes"] == sum(range(1000))
-
-
-POD: dict[str, Any] = {
-    "apiVersion": "v1",
-    "kind": "Pod",
-    "metadata": {"name": "llama-0", "namespace": "inference", "labels": {"app": "vllm"}},
-    "spec": {
-        "containers": [
-            {
-                "name": "vllm",
-                "image": "vllm/vllm-openai:v0.33.0",
-                "args": ["--model", "meta-llama/Llama-3.1-8B"],
-                "env": [{"name": "PYTHONPATH", "value": "/app"}],
-            }
-        ]
-    },
-}
 
 
 def injected(pod: dict[str, Any]) -> dict[str, Any]:

@@ -16,10 +16,10 @@ from pathlib import Path
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.local_agent import AgentProcess
+from tests.agent_helpers import load_exact, wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
-from tests.test_agent_tiers import load_exact, wait_for
-from tests.test_peers import node_config, peer_stats
+from tests.peer_helpers import node_config, peer_stats
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 
@@ -61,7 +61,7 @@ def test_held_chunks_stay_findable_over_ttls_and_membership_changes(
         with AgentClient(holder.config.endpoint) as producer:
             producer.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
             wanted = len(ids)
-            wait_for(lambda p=producer, n=wanted: peer_stats(p).get("writebacks") == n)
+            wait_for(lambda p=producer, n=wanted: peer_stats(p).counts.writebacks == n)
 
     with AgentClient(b.config.endpoint) as asker:
         wait_for(lambda: where(asker, on_a + on_c) == [1] * 36, FINDABLE_WITHIN)
@@ -71,7 +71,7 @@ def test_held_chunks_stay_findable_over_ttls_and_membership_changes(
             assert where(asker, on_a + on_c) == [1] * 36
             time.sleep(0.2)
         with AgentClient(a.config.endpoint) as holder:
-            assert peer_stats(holder).get("reannounced", 0) >= 3 * len(on_a)
+            assert peer_stats(holder).peer.reannounced >= 3 * len(on_a)
 
         # An agent joins: a share of the keys moves to it as their home.
         d = agent_factory(config("node-d"))
@@ -81,7 +81,7 @@ def test_held_chunks_stay_findable_over_ttls_and_membership_changes(
                 lambda: where(asker, on_a + on_c) == where(joined, on_a + on_c) == [1] * 36,
                 FINDABLE_WITHIN,
             )
-            assert peer_stats(joined)["directory_keys"] > 0  # it is home to some of them
+            assert peer_stats(joined).peer.directory_keys > 0  # it is home to some of them
 
         # A holder (and the home of some keys) dies: its chunks stop being reported once it
         # is stale, and the keys it was home to are announced to their new homes.
@@ -99,7 +99,7 @@ def test_held_chunks_stay_findable_over_ttls_and_membership_changes(
         a.start()
         wait_for(lambda: where(asker, on_a) == [1] * 24, FINDABLE_WITHIN)
         assert load_exact(asker, on_a[:8]) == [True] * 8
-        assert peer_stats(asker).get("read_errors", 0) == 0
+        assert peer_stats(asker).counts.read_errors == 0
 
 
 def test_idle_peer_connections_are_closed(
@@ -113,10 +113,10 @@ def test_idle_peer_connections_are_closed(
     wait_for(lambda: len(list((scratch / "registry").glob("*.json"))) == 2)
     with AgentClient(holder.config.endpoint) as producer:
         producer.store(NS, [key(i) for i in range(4)], [row(i, ROW) for i in range(4)])
-        wait_for(lambda: peer_stats(producer).get("writebacks") == 4)
+        wait_for(lambda: peer_stats(producer).counts.writebacks == 4)
     with AgentClient(asker_config.endpoint) as asker:
         wait_for(lambda: where(asker, list(range(4))) == [1] * 4, FINDABLE_WITHIN)
         assert load_exact(asker, [0, 1]) == [True, True]
-        assert peer_stats(asker)["connections"] >= 1
-        wait_for(lambda: peer_stats(asker).get("idle_closed", 0) >= 1 and asker)
+        assert peer_stats(asker).peer.connections >= 1
+        wait_for(lambda: peer_stats(asker).peer.idle_closed >= 1 and asker)
         assert load_exact(asker, [2, 3]) == [True, True]  # reopened on use

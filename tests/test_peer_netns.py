@@ -26,8 +26,8 @@ from kvtier.agent.tiers.peer_wire import write_keys
 from kvtier.bench.peers import UCX_BETWEEN_HOSTS
 from kvtier.local_agent import AgentProcess
 from tests import netns
-from tests.test_agent_tiers import load_exact, wait_for
-from tests.test_peers import node_config, peer_stats, shared_between
+from tests.agent_helpers import load_exact, wait_for
+from tests.peer_helpers import node_config, peer_stats, shared_between
 
 PEER_PORT = 5557
 UCX = UCX_BETWEEN_HOSTS  # UCX_TLS=tcp, UCX_NET_DEVICES=eth0, TCP segment and buffer sizes
@@ -76,9 +76,10 @@ def test_chunks_cross_namespaces_over_nixl_on_tcp(
             shared_between(configs[0].endpoint, consumer, ids)
             assert load_exact(consumer, [0]) == [True]  # NIXL connects on first use
             assert load_exact(consumer, ids[1:]) == [True] * (len(ids) - 1)
-            stats = peer_stats(consumer)
-        assert stats.get("nixl_failures", 0) == 0
-        assert stats["nixl_reads"] >= len(ids) - 1
+            counts = peer_stats(consumer).peer
+        assert counts is not None
+        assert counts.nixl_failures == 0
+        assert counts.nixl_reads >= len(ids) - 1
         # UCX's own TCP connection between the two addresses, beside the ZMQ peer port's
         (holder_ns, holder_ip), (_, asker_ip) = machines
         ucx = [

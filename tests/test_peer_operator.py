@@ -23,7 +23,7 @@ from kvtier.operator.builders import (
 from kvtier.operator.reconcile import ensure_curve_secrets, fetch
 from tests.apiserver_rules import admit, load_crd
 from tests.kube_api import KubeAPI
-from tests.test_operator_builders import SETTINGS
+from tests.operator_fixtures import SETTINGS
 
 NS = "inference"
 

@@ -41,10 +41,10 @@ from kvtier.agent.tiers.peer_wire import (
     write_keys,
 )
 from kvtier.local_agent import AgentProcess
+from tests.agent_helpers import load_exact, wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
-from tests.test_agent_tiers import load_exact, wait_for
-from tests.test_peers import node_config, peer_stats
+from tests.peer_helpers import node_config, peer_stats
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 FAST = {"membershipSeconds": 0.5, "staleFloorSeconds": 3.0, "announceTtlSeconds": 6.0}
@@ -110,7 +110,7 @@ def test_peers_without_a_trusted_key_are_refused(
         assert ask(target, who_has, curve) is None, case
     with AgentClient(holder.config.endpoint) as producer:
         # the authenticator saw the untrusted client key and said no
-        assert peer_stats(producer)["refused_handshakes"] >= 1
+        assert peer_stats(producer).peer.refused_handshakes >= 1
 
 
 def test_an_agent_with_another_key_is_not_a_member(
@@ -129,13 +129,13 @@ def test_an_agent_with_another_key_is_not_a_member(
         stored(producer, list(range(6)))
     with AgentClient(b.config.endpoint) as member:
         wait_for(lambda: member.lookup(NS, [key(i) for i in range(6)]).where == [1] * 6)
-        assert sorted(member.stats()["peers"]) == [endpoint_of(scratch, "node-a")]
+        assert sorted(member.stats().peers) == [endpoint_of(scratch, "node-a")]
     with AgentClient(stranger.config.endpoint) as outsider:
-        assert outsider.stats()["peers"] == []
+        assert outsider.stats().peers == []
         source = endpoint_of(scratch, "node-a")
         assert outsider.lookup(NS, [key(0)], source=source).where == [-1]
         assert load_exact(outsider, [0, 1]) == [False, False]
-        assert peer_stats(outsider)["refused_sources"] == 1
+        assert peer_stats(outsider).peer.refused_sources == 1
 
 
 def test_a_forged_source_or_holder_is_never_dialled(
@@ -158,7 +158,7 @@ def test_a_forged_source_or_holder_is_never_dialled(
         assert asker.lookup(NS, [key(i) for i in ids], source=forged).where == [-1, -1]
         outs = [np.zeros(ROW, np.uint8) for _ in ids]
         assert asker.load_into(NS, [key(i) for i in ids], outs, source=forged) == [False] * 2
-        assert peer_stats(asker)["refused_sources"] == 2
+        assert peer_stats(asker).peer.refused_sources == 2
         # An announcement naming the forged holder, sent with the tier's own key to every
         # member (so whichever is the keys' home gets it), is refused there.
         for node in ("node-a", "node-b"):
@@ -174,7 +174,7 @@ def test_a_forged_source_or_holder_is_never_dialled(
         refused = 0
         for config in (a.config, b.config):
             with AgentClient(config.endpoint) as client:
-                refused += peer_stats(client)["refused_requests"]
+                refused += peer_stats(client).peer.refused_requests
         assert refused == 2
     with pytest.raises(TimeoutError):
         trap.accept()  # nobody ever connected to the forged address
@@ -290,8 +290,8 @@ def test_switching_on_authentication_rolls_without_errors(
         started = time.monotonic()
         assert load_exact(unkeyed, [1]) == [False]
         assert time.monotonic() - started < 3
-        assert peer_stats(unkeyed).get("read_errors", 0) == 0
-        assert unkeyed.stats()["peers"] == []  # the keyed agent is not its member
+        assert peer_stats(unkeyed).counts.read_errors == 0
+        assert unkeyed.stats().peers == []  # the keyed agent is not its member
     b.stop()
     b = start("node-b", True)
     assert shares(scratch, a, b, [2]) == [True]
@@ -315,7 +315,7 @@ def test_a_member_reads_over_nixl_only_the_slots_lent_to_it(
     )
     with AgentClient(holder.config.endpoint) as producer:
         stored(producer, [0, 1])
-        wait_for(lambda: peer_stats(producer).get("writebacks") == 2)
+        wait_for(lambda: peer_stats(producer).counts.writebacks == 2)
     target = endpoint_of(scratch, "holder")
     me = "tcp://127.0.0.1:1"
     record = {
@@ -371,7 +371,7 @@ def test_a_member_reads_over_nixl_only_the_slots_lent_to_it(
     assert "NOT_FOUND" in read(lent.address + ROW, ROW, 0.2)  # past the lent bytes
     ask(target, Return(loan.lease), keyed, wait=0.2)
     with AgentClient(holder.config.endpoint) as producer:
-        wait_for(lambda: peer_stats(producer)["lent"] == 0)
+        wait_for(lambda: peer_stats(producer).peer.lent == 0)
 
 
 def test_the_peer_port_listens_on_the_pods_address_only(

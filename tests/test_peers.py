@@ -25,69 +25,19 @@ from kvtier.agent.tiers.peer_directory import home_of
 from kvtier.agent.tiers.peer_wire import write_keys
 from kvtier.local_agent import AgentProcess
 from tests import netns
+from tests.agent_helpers import find_slot, load_exact, scrape, wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled
-from tests.test_agent import find_slot, scrape
-from tests.test_agent_tiers import load_exact, wait_for
+from tests.peer_helpers import node_config, peer_stats, shared_between
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 
 
-def node_config(
-    make_config: Callable[..., AgentConfig],
-    scratch: Path,
-    node: str,
-    keys: Path | None,
-    registry: str = "registry",
-    host: dict[str, Any] | None = None,
-    **peer_settings: Any,
-) -> AgentConfig:
-    peer: dict[str, Any] = {
-        "bind": "tcp://127.0.0.1:*",
-        "timeoutSeconds": 0.5,
-        "membershipSeconds": 1.0,
-        **peer_settings,
-    }
-    if keys is not None:
-        peer["curveKeyDir"] = str(keys)
-    return make_config(
-        {
-            "name": node,
-            "runDir": str(scratch / f"run-{node}"),
-            "tiers": [{"name": "peers", "peer": peer}],
-            "report": {
-                "target": "file",
-                "directory": str(scratch / registry),
-                "node": node,
-                "intervalSeconds": 0.5,
-                "minIntervalSeconds": 0.2,
-            },
-            "tierBudgetSeconds": 1.5,
-        },
-        poolDir=str(scratch / f"pool-{node}"),
-        **(host or {}),
-    )
-
-
-def peer_stats(client: AgentClient) -> dict[str, Any]:
-    stats: dict[str, Any] = client.stats()["tiers"][0]
-    return stats
-
-
-def shared_between(producer: str, consumer: AgentClient, ids: list[int]) -> None:
-    """Store `ids` on the agent at `producer` until its peer tier announced them, then wait
-    until the consumer's lookups find them all."""
-    time.sleep(1.2)  # both agents have read the membership
-    with AgentClient(producer) as client:
-        client.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
-        wait_for(lambda: peer_stats(client).get("writebacks") == len(ids))
-    wait_for(lambda: consumer.lookup(NS, [key(i) for i in ids]).prefix == len(ids))
-
-
 def moved_chunks(client: AgentClient) -> int:
     """Chunks that arrived from peers, over either data path."""
-    stats = peer_stats(client)
-    return int(stats.get("nixl_reads", 0)) + int(stats.get("zmq_reads", 0))
+    counts = peer_stats(client).peer
+    assert counts is not None
+    return counts.nixl_reads + counts.zmq_reads
 
 
 def test_chunks_stored_on_one_node_are_loaded_on_another(
@@ -103,7 +53,7 @@ def test_chunks_stored_on_one_node_are_loaded_on_another(
 
     with AgentClient(a.config.endpoint) as producer:
         producer.store(NS, [key(i) for i in range(8)], [row(i, ROW) for i in range(8)])
-        wait_for(lambda: producer.stats()["tiers"][0].get("writebacks") == 8)
+        wait_for(lambda: producer.stats().tiers[0].counts.writebacks == 8)
 
     with AgentClient(b_config.endpoint) as consumer:
         found = wait_for(
@@ -116,7 +66,7 @@ def test_chunks_stored_on_one_node_are_loaded_on_another(
     # Peers without the tier's key: test_peer_security.py, request by request.
     with AgentClient(a.config.endpoint) as producer:
         producer.store(NS, [key(i) for i in range(20, 24)], [row(i, ROW) for i in range(20, 24)])
-        wait_for(lambda: producer.stats()["tiers"][0].get("writebacks") == 12)
+        wait_for(lambda: producer.stats().tiers[0].counts.writebacks == 12)
     a.kill()  # the only holder dies: its chunks become misses, in time, nothing hangs
     with AgentClient(b_config.endpoint) as consumer:
         started = time.monotonic()
@@ -154,7 +104,7 @@ def test_direct_mode_fetches_from_the_named_source(
     assert "nixlMetadata" not in record
     with AgentClient(prefill.config.endpoint) as producer:
         producer.store(NS, [key(i) for i in range(4)], [row(i, ROW) for i in range(4)])
-        wait_for(lambda: producer.stats()["tiers"][0].get("writebacks") == 4)
+        wait_for(lambda: producer.stats().tiers[0].counts.writebacks == 4)
     with AgentClient(decode_config.endpoint) as consumer:
         keys = [key(i) for i in range(5)]
         assert consumer.lookup(NS, keys, source=source).where == [1, 1, 1, 1, -1]
@@ -162,12 +112,12 @@ def test_direct_mode_fetches_from_the_named_source(
         outs = [np.zeros(ROW, np.uint8) for _ in range(3)]
         assert consumer.load_into(NS, keys[1:4], outs, source=source) == [True] * 3
         assert all(np.array_equal(o, row(i + 1, ROW)) for i, o in enumerate(outs))
-        moved = peer_stats(consumer)[f"{data_path}_reads"]
+        moved = getattr(peer_stats(consumer).peer, f"{data_path}_reads")
         assert moved >= 3  # the first chunk may have come over ZMQ while NIXL connected
-        metrics = scrape(consumer.stats()["metrics_port"])
+        metrics = scrape(consumer.stats().metrics_port)
         assert metrics[f'kvtier_peer_chunks_total{{path="{data_path}"}}'] == moved
     with AgentClient(prefill.config.endpoint) as producer:
-        wait_for(lambda: peer_stats(producer)["lent"] == 0)  # every loan given back
+        wait_for(lambda: peer_stats(producer).peer.lent == 0)  # every loan given back
 
 
 def paced(data_path: str) -> dict[str, Any]:
@@ -198,7 +148,7 @@ def test_a_restarted_holder_is_read_through_its_new_nixl_agent(
     time.sleep(1.2)
     with AgentClient(holder_config.endpoint) as producer:
         producer.store(NS, [key(i) for i in range(6)], [row(i, ROW) for i in range(6)])
-        wait_for(lambda: producer.stats()["tiers"][0].get("writebacks") == 6)
+        wait_for(lambda: producer.stats().tiers[0].counts.writebacks == 6)
     with AgentClient(consumer_config.endpoint) as consumer:
         wait_for(lambda: consumer.lookup(NS, [key(i) for i in range(6)]).prefix == 6)
         assert load_exact(consumer, [0, 1]) == [True, True]
@@ -206,11 +156,12 @@ def test_a_restarted_holder_is_read_through_its_new_nixl_agent(
         holder.start()
         assert load_exact(consumer, [2, 3]) == [True, True]
         assert load_exact(consumer, [4, 5]) == [True, True]
-        stats = peer_stats(consumer)
-    assert stats["nixl_failures"] >= 1
-    assert stats["zmq_reads"] >= 1  # the transfer that found the old agent gone
-    assert stats["zmq_reads"] + stats["nixl_reads"] == 6
-    assert stats["nixl_reads"] >= 4
+        counts = peer_stats(consumer).peer
+    assert counts is not None
+    assert counts.nixl_failures >= 1
+    assert counts.zmq_reads >= 1  # the transfer that found the old agent gone
+    assert counts.zmq_reads + counts.nixl_reads == 6
+    assert counts.nixl_reads >= 4
 
 
 def test_an_overloaded_holder_sheds_load_instead_of_queueing(
@@ -230,7 +181,7 @@ def test_an_overloaded_holder_sheds_load_instead_of_queueing(
     ids = list(range(24))
     with AgentClient(holder_config.endpoint) as producer:
         producer.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
-        wait_for(lambda: peer_stats(producer).get("writebacks") == len(ids))
+        wait_for(lambda: peer_stats(producer).counts.writebacks == len(ids))
 
     def rush(config: AgentConfig, worker: int) -> tuple[list[bool], list[bool], float]:
         mine = ids[worker % 2 :: 2] + ids[(worker + 1) % 2 :: 2]
@@ -249,8 +200,8 @@ def test_an_overloaded_holder_sheds_load_instead_of_queueing(
         assert all(e for ok, e in zip(loaded, exact, strict=True) if ok)  # nothing wrong
         assert elapsed < 5  # refused at once, not queued until the budget ran out
     with AgentClient(holder_config.endpoint) as producer:
-        assert peer_stats(producer)["refused"] > 0
-        wait_for(lambda: peer_stats(producer)["lent"] == 0)
+        assert peer_stats(producer).peer.refused > 0
+        wait_for(lambda: peer_stats(producer).peer.lent == 0)
     for config in askers:  # the rush is over: what was refused is served now
         with AgentClient(config.endpoint) as client:
             assert wait_for(lambda client=client: all(load_exact(client, ids)))
@@ -273,7 +224,7 @@ def test_a_holder_killed_while_transfers_run_leaves_misses_and_no_leases(
     ids = list(range(30))  # the write-backs pin at most half the pool at once
     with AgentClient(holder.config.endpoint) as producer:
         producer.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
-        wait_for(lambda: peer_stats(producer).get("writebacks") == len(ids))
+        wait_for(lambda: peer_stats(producer).counts.writebacks == len(ids))
     stop = threading.Event()
     rounds: list[tuple[int, int, float]] = []  # (loaded, wrong, seconds)
 
@@ -343,8 +294,8 @@ def test_nodes_with_their_own_addresses_share_through_the_directory(
             assert load_exact(consumer, ids) == [True] * len(ids)
             stats = peer_stats(consumer)
             assert moved_chunks(consumer) == len(ids)
-            assert stats.get("read_errors", 0) == 0
-            assert sorted(consumer.stats()["peers"]) == endpoints[:2]
+            assert stats.counts.read_errors == 0
+            assert sorted(consumer.stats().peers) == endpoints[:2]
 
 
 def test_chunks_a_holder_evicts_stop_being_found_and_stale_entries_are_misses(
@@ -362,7 +313,7 @@ def test_chunks_a_holder_evicts_stop_being_found_and_stale_entries_are_misses(
     first = [key(i) for i in range(6)]
     with AgentClient(holder.config.endpoint) as producer:
         producer.store(NS, first, [row(i, ROW) for i in range(6)])
-        wait_for(lambda: peer_stats(producer).get("writebacks") == 6)
+        wait_for(lambda: peer_stats(producer).counts.writebacks == 6)
         with AgentClient(asker_config.endpoint) as asker:
             assert wait_for(lambda: asker.lookup(NS, first).where == [1] * 6)
             later = list(range(100, 112))  # fills the holder's 12 slots: the first six go
@@ -370,7 +321,7 @@ def test_chunks_a_holder_evicts_stop_being_found_and_stale_entries_are_misses(
             assert producer.lookup(NS, first).where == [-1] * 6
             assert wait_for(lambda: asker.lookup(NS, first).where == [-1] * 6)
             stats = peer_stats(asker)
-    assert stats.get("read_errors", 0) == 0 and stats.get("corrupt", 0) == 0
+    assert stats.counts.read_errors == 0 and stats.counts.corrupt == 0
 
 
 def test_a_read_of_an_entry_gone_stale_is_a_miss(
@@ -395,7 +346,7 @@ def test_a_read_of_an_entry_gone_stale_is_a_miss(
         outs = [np.zeros(ROW, np.uint8) for _ in range(4)]
         assert asker.load_into(NS, [key(i) for i in range(4)], outs) == [False] * 4
         assert time.monotonic() - started < 2
-        assert peer_stats(asker).get("read_errors", 0) == 0
+        assert peer_stats(asker).counts.read_errors == 0
 
 
 @pytest.mark.parametrize("data_path", ["nixl", "zmq"])
@@ -435,6 +386,5 @@ def test_a_chunk_damaged_in_the_holders_pool_is_never_served_by_a_peer(
     with AgentClient(holder.config.endpoint) as producer:
         assert wait_for(lambda: producer.lookup(NS, keys).where == [0, -1, 0])
         assert (
-            scrape(producer.stats()["metrics_port"])['kvtier_corrupt_chunks_total{tier="host"}']
-            == 1
+            scrape(producer.stats().metrics_port)['kvtier_corrupt_chunks_total{tier="host"}'] == 1
         )

@@ -15,8 +15,8 @@ import pytest
 from kvtier.agent.config import ConfigError
 from kvtier.operator.builders import build_children
 from kvtier.operator.webhook import mutate_pod
+from tests.operator_fixtures import POD, SETTINGS, by_kind, tier
 from tests.pod_security import baseline, restricted
-from tests.test_operator_builders import POD, SETTINGS, by_kind, tier
 
 COMPLIANT: dict[str, Any] = {
     "securityContext": {

@@ -55,4 +55,4 @@ def test_a_hostile_tier_member_cannot_alter_sealed_chunks(agent: AgentProcess) -
         back = np.zeros(ROW, np.uint8)
         assert client.load_into(NS, [key(100)], [back]) == [True]
         assert np.array_equal(back, row(100, ROW))
-        assert client.stats()["corrupt"] == 0
+        assert client.stats().host.corrupt == 0

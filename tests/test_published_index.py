@@ -91,10 +91,10 @@ def test_lookups_answered_by_the_client_are_counted_by_the_agent(
         result = client.lookup(NS, [key(i) for i in range(6)])
         assert result.hits == [True] * 4 + [False] * 2 and result.prefix == 4
         deadline = time.monotonic() + 10
-        while (stats := client.stats())["lookups"] < before["lookups"] + 6:
+        while (stats := client.stats()).host.lookups < before.host.lookups + 6:
             assert time.monotonic() < deadline, stats
             time.sleep(0.02)
-        assert stats["hits"] == before["hits"] + 4
+        assert stats.host.hits == before.host.hits + 4
 
 
 def test_a_client_notices_a_dead_or_restarted_agent_without_asking(

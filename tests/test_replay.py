@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from kvtier.agent.config import AgentConfig
 from kvtier.agent.index import HostIndex
 from kvtier.agent.protocol import StoreCode
 from kvtier.cli import main
-from kvtier.local_agent import AgentProcess
-from kvtier.replay import BeladyPolicy, Budget, budgets, load_trace, replay, replay_agent, run
-from kvtier.tracegen import multi_turn
+from kvtier.replay import BeladyPolicy, Budget, budgets, load_trace, replay, run
 from kvtier.tracegen import write as write_trace
-from tests.conftest import ROW
+from tests.conftest import ROW, ChatsThroughAgent
 
 # The first 3,000 requests of the Mooncake conversation trace (see tests/data/README.md).
 TRACE_SLICE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_3000.jsonl.gz"
@@ -180,16 +176,10 @@ def test_cli_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_replay_against_a_live_agent(
-    make_config: Callable[..., AgentConfig],
-    agent_factory: Callable[[AgentConfig], AgentProcess],
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    chats_through_agent: ChatsThroughAgent, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """64 slots under a multi-turn chat trace: real rows stored, loaded and checked."""
-    agent = agent_factory(make_config(policy="prefix"))
-    path = write_trace(tmp_path / "chats.jsonl", multi_turn(seed=2, conversations=80))
-    trace = load_trace(path)
-    report = replay_agent(trace, agent.config.endpoint, ROW)
+    agent, path, _, report = chats_through_agent("prefix", 2, 80)
     assert report["wrong_rows"] == 0
     assert report["policy"] == "prefix" and report["slots"] == 64
     assert report["hit_rate"] is not None and report["hit_rate"] > 0

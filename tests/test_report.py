@@ -11,32 +11,64 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 
 from kvtier import polling
 from kvtier.agent.config import ReportConfig
 from kvtier.agent.node_status import NodeStatus, build_report, read_node_status
 from kvtier.agent.registry import FileRegistry, KubernetesRegistry
 from kvtier.agent.report import Reporter
+from kvtier.agent.stats import (
+    AgentStats,
+    HostStats,
+    PolicyStats,
+    StoreSkips,
+    TierCounts,
+    TierStats,
+)
 from tests.kube_api import KubeAPI
 
-STATS: dict[str, Any] = {
-    "used_bytes": 3 << 20,
-    "capacity_bytes": 8 << 20,
-    "chunks": 3,
-    "hits": 6,
-    "lookups": 10,
-    "namespaces": {"llama-3-8b-aa": 2, "qwen-bb": 1},
-    "tiers": [
-        {
-            "name": "shared-fs",
-            "used_bytes": 100,
-            "capacity_bytes": 1000,
-            "chunks": 1,
-            "hits": 2,
-            "misses": 2,
-        }
+STATS = AgentStats(
+    name="gpu-1",
+    host=HostStats(
+        capacity_bytes=8 << 20,
+        used_bytes=3 << 20,
+        slot_bytes=1 << 20,
+        slots=8,
+        free_slots=5,
+        resting_slots=0,
+        staging_slots=4,
+        free_staging_slots=4,
+        chunks=3,
+        leases=0,
+        pinned_slots=0,
+        lookups=10,
+        hits=6,
+        evictions=0,
+        store_skipped=StoreSkips(),
+        leases_expired=0,
+        leases_reclaimed=0,
+        corrupt=0,
+        index_published=3,
+        index_collisions=0,
+        namespaces={"llama-3-8b-aa": 2, "qwen-bb": 1},
+        policy=PolicyStats(policy="lru", resident=3),
+    ),
+    tiers=[
+        TierStats(
+            name="shared-fs",
+            kind="filesystem",
+            capacity_bytes=1000,
+            used_bytes=100,
+            chunks=1,
+            queued=0,
+            healthy=True,
+            counts=TierCounts(hits=2, misses=2),
+        )
     ],
-}
+    peers=[],
+    clients=1,
+)
 
 
 def test_report_from_stats() -> None:
@@ -46,7 +78,9 @@ def test_report_from_stats() -> None:
     assert report["tiers"][0]["misses"] == 4
     assert report["hits"] == 8 and report["lookups"] == 10
     assert report["summary"] == {"host": "3Mi/8Mi", "hitRate": "80%", "peers": 0}
-    with_peers = build_report({**STATS, "peers": ["tcp://10.0.0.2:5557"]}, dt.datetime.now(dt.UTC))
+    with_peers = build_report(
+        replace(STATS, peers=["tcp://10.0.0.2:5557"]), dt.datetime.now(dt.UTC)
+    )
     assert with_peers.peers == ["tcp://10.0.0.2:5557"] and with_peers.summary.peers == 1
     assert report["fingerprints"] == ["llama-3-8b-aa", "qwen-bb"]
     assert report["conditions"][0]["type"] == "TiersHealthy"
@@ -59,7 +93,7 @@ def test_an_unhealthy_tier_is_a_false_condition_of_the_node_and_of_the_tier() ->
     from kvtier.operator.status import aggregate
     from tests.apiserver_rules import admit, load_crd
 
-    failing = {**STATS, "tiers": [{**STATS["tiers"][0], "healthy": False}]}
+    failing = replace(STATS, tiers=[replace(STATS.tiers[0], healthy=False)])
     now = dt.datetime.now(dt.UTC)
     report = build_report(failing, now).to_manifest()
     (condition,) = report["conditions"]
@@ -129,7 +163,9 @@ def test_steady_state_publishes_only_heartbeats(tmp_path: Path) -> None:
 
 def test_changes_are_published_at_most_every_min_interval(tmp_path: Path) -> None:
     counter = itertools.count()
-    publishes, last = run_reporter(tmp_path, lambda: {**STATS, "lookups": next(counter)}, 1.0)
+    publishes, last = run_reporter(
+        tmp_path, lambda: replace(STATS, host=replace(STATS.host, lookups=next(counter))), 1.0
+    )
     assert publishes <= 1.0 / 0.05 + 2
     assert last["lookups"] > 0
 

@@ -65,7 +65,7 @@ def test_corrupt_object_is_a_miss_and_removed(s3_bucket: dict[str, Any]) -> None
     tier = make_tier(s3_bucket)
     put(tier, 1)
     s3, bucket = s3_bucket["client"], s3_bucket["bucket"]
-    name = tier.object_key(NS, key(1))
+    name = tier.blob_name(NS, key(1))
     body = bytearray(s3.get_object(Bucket=bucket, Key=name)["Body"].read())
     body[-1] ^= 0xFF
     s3.put_object(Bucket=bucket, Key=name, Body=bytes(body))

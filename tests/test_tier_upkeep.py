@@ -20,11 +20,10 @@ from kvtier.agent.client import AgentClient, AgentUnavailable
 from kvtier.agent.config import AgentConfig, FilesystemTierConfig
 from kvtier.agent.tiers.filesystem import QUARANTINE, FilesystemTier
 from kvtier.local_agent import AgentProcess
+from tests.agent_helpers import s3_tier, scrape, store, tier_stats, wait_for
 from tests.conftest import ROW
 from tests.faults import FaultProxy, Link
 from tests.helpers import NS, key, row, wait_settled
-from tests.test_agent import scrape
-from tests.test_agent_tiers import s3_tier, store, tier_stats, wait_for
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 SLOTS = 16
@@ -102,7 +101,7 @@ def test_hung_tier_cannot_drain_the_pool_or_stretch_a_call(
     for t in threads:
         t.join()
     with AgentClient(config.endpoint) as client:
-        chunks = client.stats()["chunks"]
+        chunks = client.stats().host.chunks
     assert chunks >= SLOTS * 3 // 4, f"a hung tier drained the pool to {chunks} chunks"
     assert longest[0] <= 0.5 + 0.5, f"a call took {longest[0]:.3f}s against a 0.5 s budget"
 
@@ -121,7 +120,7 @@ def test_failing_tier_stops_answering_lookups_until_a_probe_succeeds(
         with AgentClient(config.endpoint, timeout=3) as client:
             for first in range(0, SLOTS, 4):  # within the write-backs' share of the pool
                 store(client, range(first, first + 4))
-                wait_for(lambda n=first + 4: tier_stats(client, "s3").get("writebacks", 0) == n)
+                wait_for(lambda n=first + 4: tier_stats(client, "s3").counts.writebacks == n)
             store(client, range(SLOTS, 2 * SLOTS))  # the first chunks now live in S3 only
             wait_settled(client)
             ids = list(range(SLOTS))
@@ -136,10 +135,10 @@ def test_failing_tier_stops_answering_lookups_until_a_probe_succeeds(
                     sum(w == 1 and not ok for w, ok in zip(where, loaded, strict=True))
                 )
             assert sum(false_hits[5:]) == 0, f"false hits per round while S3 was down: {false_hits}"
-            assert tier_stats(client, "s3")["healthy"] is False
-            assert scrape(client.stats()["metrics_port"])['kvtier_tier_healthy{tier="s3"}'] == 0
+            assert tier_stats(client, "s3").healthy is False
+            assert scrape(client.stats().metrics_port)['kvtier_tier_healthy{tier="s3"}'] == 0
             proxy.set(Link.UP)
-            wait_for(lambda: tier_stats(client, "s3")["healthy"])
+            wait_for(lambda: tier_stats(client, "s3").healthy)
             assert client.lookup(NS, [key(0)]).where == [1]
             outs = [np.zeros(ROW, np.uint8)]
             assert client.load_into(NS, [key(0)], outs) == [True]

@@ -89,6 +89,20 @@ class AccessLog:
             salt = self._salts[namespace] = int.from_bytes(h.digest(), "little", signed=True)
         return salt
 
+    def sampled(self, namespace: str, first: bytes | None) -> bool:
+        """Whether a request whose first key's id is `first` (None: no keys) is in the
+        sample; counts the request as seen. Decided by the first key alone, so a caller can
+        leave the other keys' ids uncomputed for a request the log will not keep."""
+        self.requests_seen += 1
+        if first is None:
+            return False
+        if self._threshold < _SAMPLE_SPACE:
+            salt = self._salt(namespace)
+            mixed = hashlib.blake2b((hash(first) ^ salt).to_bytes(8, "little", signed=True))
+            if int.from_bytes(mixed.digest()[:4], "little") % _SAMPLE_SPACE >= self._threshold:
+                return False
+        return True
+
     def record_request(
         self,
         namespace: str,
@@ -98,14 +112,20 @@ class AccessLog:
     ) -> bool:
         """Log one request's lookup (its keys in order, and which of them hit, or how many);
         returns whether it was sampled. `now` defaults to the wall clock."""
-        self.requests_seen += 1
-        if not keys:
+        if not self.sampled(namespace, keys[0] if keys else None):
             return False
+        self.record(namespace, keys, hits, now)
+        return True
+
+    def record(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        hits: Sequence[bool] | int,
+        now: float | None = None,
+    ) -> None:
+        """Log a request `sampled` kept."""
         salt = self._salt(namespace)
-        if self._threshold < _SAMPLE_SPACE:
-            mixed = hashlib.blake2b((hash(keys[0]) ^ salt).to_bytes(8, "little", signed=True))
-            if int.from_bytes(mixed.digest()[:4], "little") % _SAMPLE_SPACE >= self._threshold:
-                return False
         # The interpreter's keyed hash (SipHash) of each key's 8-byte index digest: about
         # 27 µs per 1,000 keys on the lookup path. It never leaves the agent as such: pages
         # mix in the namespace's salt, and exports renumber.
@@ -121,7 +141,6 @@ class AccessLog:
                 gone = self._entries.popleft()
                 self._keys -= len(gone.ids)
                 self.dropped += 1
-        return True
 
     def _page(self, after: int, max_keys: int) -> tuple[list[Logged], int, bool]:
         with self._lock:

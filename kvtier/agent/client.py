@@ -49,6 +49,7 @@ from kvtier.agent import protocol as p
 from kvtier.agent.liveness import ClientLock
 from kvtier.agent.pool import Bytes, PoolMap, staging_path
 from kvtier.agent.shm_index import TableReader, digest, digests, index_path
+from kvtier.agent.stats import AgentStats
 
 _RID = struct.Struct("<Q")
 REPORT_SECONDS = 0.05  # lookups answered here reach the agent at most this late...
@@ -436,9 +437,9 @@ class AgentClient:
         reply: p.EventsReply = self._call(p.Events(namespace, after), p.EventsReply)
         return reply
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> AgentStats:
         reply: p.StatsReply = self._call(p.Stats(), p.StatsReply)
-        return dict(reply.stats)
+        return reply.stats
 
     # --- whole operations ----------------------------------------------------------------
 

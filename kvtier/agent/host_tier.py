@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
+import msgspec
 import numpy as np
 import xxhash
 
@@ -48,6 +48,7 @@ from kvtier.agent.pool_layout import (
 )
 from kvtier.agent.protocol import StoreCode
 from kvtier.agent.shm_index import TableWriter, index_path
+from kvtier.agent.stats import HostStats, PolicyStats, StoreSkip, StoreSkips, Tally
 
 log = logging.getLogger("kvtier.agent.host")
 
@@ -55,10 +56,10 @@ TIER = "host"
 # Holders of the agent's own leases; ':' is never part of a client id (see protocol.py).
 PROMOTER = "agent:promoter"  # slots being filled from a secondary tier
 LENDER = "agent:peer"  # chunks being sent to other agents
-_SKIP_REASONS = {
+# FULL is the index's own count
+_SKIP_REASONS: dict[int, StoreSkip] = {
     StoreCode.EXISTS: "exists",
     StoreCode.BUSY: "busy",
-    StoreCode.FULL: "full",
     StoreCode.STAGING_FULL: "staging",
 }
 COPY_BLOCK = 256 << 10  # copied then hashed while in cache
@@ -102,17 +103,14 @@ class HostTier:
         self._on_sealed: Callable[[Entry], None] | None = None
         self._on_hits: Callable[[list[Entry]], None] | None = None
         self.corrupt = 0
-        self._looked_up = self._found = 0
         if reused:
             self._reindex()
         # Copies of committed chunks into the pool, and checks of chunks a peer received
         # damaged, spread over the cores (numpy's copies and xxh3 release the GIL).
         self._copiers = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvtier-copy")
-        self._hits = metrics.hits.labels(TIER)
-        self._evictions = metrics.evictions.labels(TIER)
         self._store_bytes = metrics.store_bytes.labels(TIER)
         self._load_bytes = metrics.load_bytes.labels(TIER)
-        self._skipped = {code: metrics.store_skipped.labels(r) for code, r in _SKIP_REASONS.items()}
+        self._skipped: Tally[StoreSkips] = Tally(StoreSkips())
         self._bind_gauges()
 
     @property
@@ -165,10 +163,7 @@ class HostTier:
 
     def lookup(self, namespace: str, keys: list[bytes]) -> tuple[list[bool], int]:
         with self._lock:
-            hits, prefix = self._index.lookup(namespace, keys)
-        self._looked_up += len(keys)
-        self._found += sum(hits)
-        return hits, prefix
+            return self._index.lookup(namespace, keys)
 
     def lookup_digests(self, namespace: str, digests: list[int]) -> list[bool]:
         """Lookups a client answered from the published index, by digest: counted, and
@@ -178,8 +173,6 @@ class HostTier:
             # now, not after the reply: a report carries several requests, and each must
             # reach the policy and the write-back admission as a lookup of its own
             self._hits_seen_locked()
-        self._looked_up += len(digests)
-        self._found += sum(hits)
         return hits
 
     def _hits_seen_locked(self) -> None:
@@ -194,15 +187,10 @@ class HostTier:
             self._load_bytes.inc(nbytes)
 
     def after_reply(self) -> None:
-        """Bookkeeping that need not delay an answer: the policy's view of recent hits and
-        the lookup counters. The server calls it after each reply, before the next request."""
+        """Bookkeeping that need not delay an answer: the policy's view of recent hits. The
+        server calls it after each reply, before the next request."""
         with self._lock:
             self._hits_seen_locked()
-        if self._looked_up:
-            self.metrics.lookups.inc(self._looked_up)
-            self._hits.inc(self._found)
-            self.metrics.misses.inc(self._looked_up - self._found)
-            self._looked_up = self._found = 0
 
     def allocate(
         self,
@@ -235,7 +223,6 @@ class HostTier:
                         continue
                     budget -= 1
                 chosen.append(i)
-            evictions = self._index.counters.evictions
             lease, got, gens = self._index.allocate(
                 client,
                 namespace,
@@ -243,7 +230,6 @@ class HostTier:
                 nbytes,
                 time.monotonic() + self.lease_seconds,
             )
-            evicted = self._index.counters.evictions - evictions
             staged: dict[int, int] = {}
             for i, slot, generation in zip(chosen, got, gens, strict=True):
                 slots[i], generations[i] = slot, generation
@@ -253,10 +239,8 @@ class HostTier:
             if lease:
                 self._staged[lease] = staged
         for slot in slots:
-            if slot < 0:
-                self._skipped[StoreCode(slot)].inc()
-        if evicted:
-            self._evictions.inc(evicted)
+            if slot in _SKIP_REASONS:
+                self._skipped.add(_SKIP_REASONS[slot])
         return lease, slots, generations, staging
 
     def commit(self, lease: int, client: str) -> None:
@@ -355,40 +339,40 @@ class HostTier:
                 self._staging_free += [s for until, s in self._staging_resting if until <= now]
                 self._staging_resting = [(u, s) for u, s in self._staging_resting if u > now]
         if expired:
-            self.metrics.leases_reclaimed.labels("expired").inc(len(expired))
             log.warning("released %d expired leases", len(expired))
         if reclaimed:
-            self.metrics.leases_reclaimed.labels("client_gone").inc(len(reclaimed))
             log.warning("released %d leases of %d dead clients", len(reclaimed), len(dead_clients))
         return len(expired) + len(reclaimed)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> HostStats:
+        skipped = self._skipped.read()
         with self._lock:
             c = self._index.counters
-            return {
-                "capacity_bytes": self.geometry.slot_count * self.geometry.payload_bytes,
-                "used_bytes": self._index.chunks * self.geometry.payload_bytes,
-                "slot_bytes": self.geometry.payload_bytes,
-                "slots": self.geometry.slot_count,
-                "free_slots": self._index.free_slots,
-                "resting_slots": self._index.resting_slots,
-                "staging_slots": self.staging.geometry.slot_count,
-                "free_staging_slots": len(self._staging_free),
-                "chunks": self._index.chunks,
-                "leases": self._index.leases,
-                "pinned_slots": self._index.pinned_slots(),
-                "lookups": c.lookups,
-                "hits": c.hits,
-                "evictions": c.evictions,
-                "store_full": c.full,
-                "leases_expired": c.leases_expired,
-                "leases_reclaimed": c.leases_reclaimed,
-                "corrupt": self.corrupt,
-                "index_published": self.table.entries,
-                "index_collisions": self.table.collisions,
-                "namespaces": dict(c.namespaces),
-                **self._index.policy.describe(),
-            }
+            skipped.full = c.full
+            return HostStats(
+                capacity_bytes=self.geometry.slot_count * self.geometry.payload_bytes,
+                used_bytes=self._index.chunks * self.geometry.payload_bytes,
+                slot_bytes=self.geometry.payload_bytes,
+                slots=self.geometry.slot_count,
+                free_slots=self._index.free_slots,
+                resting_slots=self._index.resting_slots,
+                staging_slots=self.staging.geometry.slot_count,
+                free_staging_slots=len(self._staging_free),
+                chunks=self._index.chunks,
+                leases=self._index.leases,
+                pinned_slots=self._index.pinned_slots(),
+                lookups=c.lookups,
+                hits=c.hits,
+                evictions=c.evictions,
+                store_skipped=skipped,
+                leases_expired=c.leases_expired,
+                leases_reclaimed=c.leases_reclaimed,
+                corrupt=self.corrupt,
+                index_published=self.table.entries,
+                index_collisions=self.table.collisions,
+                namespaces=dict(c.namespaces),
+                policy=msgspec.convert(self._index.policy.describe(), PolicyStats),
+            )
 
     def close(self) -> None:
         self._copiers.shutdown(wait=True)
@@ -420,7 +404,6 @@ class HostTier:
 
     def _count_corrupt(self, why: str) -> None:
         self.corrupt += 1
-        self.metrics.corrupt.labels(TIER).inc()
         log.warning("dropped a chunk: %s", why)
 
     def _seal(self, entry: Entry, digest: int) -> None:

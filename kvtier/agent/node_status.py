@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from kvtier.agent.stats import AgentStats
+
 TIMESTAMP = "%Y-%m-%dT%H:%M:%SZ"
 
 
@@ -24,9 +26,9 @@ class TierStatus(msgspec.Struct, rename="camel", kw_only=True):
     used_bytes: int = 0
     capacity_bytes: int = 0
     chunks: int = 0
-    hits: int = 0
-    misses: int = 0
-    healthy: bool = True
+    hits: int = 0  # keys looked up and found on this tier
+    misses: int = 0  # keys looked up and asked of this tier in vain
+    healthy: bool = True  # False while the agent skips it (see TiersHealthy)
 
 
 class Condition(msgspec.Struct, rename="camel", kw_only=True, omit_defaults=True):
@@ -95,47 +97,46 @@ def read_node_status(node: Mapping[str, Any]) -> NodeStatus:
         return NodeStatus()
 
 
-def build_report(stats: Mapping[str, Any], now: dt.datetime) -> NodeStatus:
-    """KVCacheNode status from the agent's stats (as the `stats` request returns them)."""
+def build_report(stats: AgentStats, now: dt.datetime) -> NodeStatus:
+    """KVCacheNode status from the agent's stats."""
+    host = stats.host
     tiers = [
         TierStatus(
             name="host",
-            used_bytes=stats["used_bytes"],
-            capacity_bytes=stats["capacity_bytes"],
-            chunks=stats["chunks"],
-            hits=stats["hits"],
-            misses=stats["lookups"] - stats["hits"],
+            used_bytes=host.used_bytes,
+            capacity_bytes=host.capacity_bytes,
+            chunks=host.chunks,
+            hits=host.hits,
+            misses=host.lookups - host.hits,
         )
     ]
     tiers += [
         TierStatus(
-            name=tier["name"],
-            used_bytes=tier["used_bytes"],
-            capacity_bytes=tier["capacity_bytes"],
-            chunks=tier["chunks"],
-            hits=tier.get("hits", 0),
-            misses=tier.get("misses", 0),
-            healthy=bool(tier.get("healthy", True)),
+            name=tier.name,
+            used_bytes=tier.used_bytes,
+            capacity_bytes=tier.capacity_bytes,
+            chunks=tier.chunks,
+            hits=tier.counts.hits,
+            misses=tier.counts.misses,
+            healthy=tier.healthy,
         )
-        for tier in stats.get("tiers", [])
+        for tier in stats.tiers
     ]
     unhealthy = [t.name for t in tiers if not t.healthy]
-    lookups = int(stats["lookups"])
     hits = sum(t.hits for t in tiers)
-    peers = list(stats.get("peers", []))
     return NodeStatus(
         heartbeat=now.strftime(TIMESTAMP),
         ready=True,
         tiers=tiers,
-        lookups=lookups,
+        lookups=host.lookups,
         hits=hits,
-        peers=peers,
-        fingerprints=sorted(stats.get("namespaces", {})),
+        peers=list(stats.peers),
+        fingerprints=sorted(host.namespaces),
         conditions=[tiers_healthy(unhealthy)],
         summary=NodeSummary(
-            host=f"{stats['used_bytes'] >> 20}Mi/{stats['capacity_bytes'] >> 20}Mi",
-            hit_rate=f"{hits / lookups:.0%}" if lookups else "-",
-            peers=len(peers),
+            host=f"{host.used_bytes >> 20}Mi/{host.capacity_bytes >> 20}Mi",
+            hit_rate=f"{hits / host.lookups:.0%}" if host.lookups else "-",
+            peers=len(stats.peers),
         ),
     )
 

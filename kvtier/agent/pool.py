@@ -26,6 +26,7 @@ from kvtier.agent.pool_layout import (
     SUPERBLOCK,
     PoolGeometry,
 )
+from kvtier.agent.shm_files import allocate, new_file
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -121,18 +122,7 @@ def staging_path(pool_path: Path) -> Path:
 def create_staging(path: Path, geometry: PoolGeometry, populate: bool) -> PoolMap:
     """A fresh staging area (its bytes never outlive the agent process that hands them out),
     every page allocated before it is mapped, as for the pool."""
-    target = path.with_name(path.name + ".new")
-    fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, STAGING_MODE)
-    try:
-        os.fchmod(fd, STAGING_MODE)
-        os.posix_fallocate(fd, 0, geometry.file_bytes)
-        os.pwrite(fd, geometry.pack(), 0)
-    except BaseException:
-        os.close(fd)
-        target.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(target, path)
+    os.replace(new_file(path, geometry.file_bytes, STAGING_MODE, geometry.pack()), path)
     return PoolMap(path, geometry, populate)
 
 
@@ -155,19 +145,8 @@ def create_or_reuse(path: Path, geometry: PoolGeometry, populate: bool) -> tuple
     Returns the map and whether an existing pool was reused.
     """
     reused = reusable(path, geometry)
-    target = path if reused else path.with_name(path.name + ".new")
-    fd = os.open(target, os.O_RDWR | (0 if reused else os.O_CREAT | os.O_TRUNC), POOL_MODE)
-    try:
-        os.fchmod(fd, POOL_MODE)  # an older agent's pool was group-writable; the umask aside
-        os.posix_fallocate(fd, 0, geometry.file_bytes)
-        if not reused:
-            os.pwrite(fd, geometry.pack(), 0)
-    except BaseException:
-        os.close(fd)
-        if not reused:
-            target.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    if not reused:
-        os.replace(target, path)
+    if reused:
+        allocate(path, geometry.file_bytes, POOL_MODE)  # an older agent's was group-writable
+    else:
+        os.replace(new_file(path, geometry.file_bytes, POOL_MODE, geometry.pack()), path)
     return PoolMap(path, geometry, populate), reused

@@ -24,10 +24,13 @@ from typing import Annotated
 
 import msgspec
 
+from kvtier.agent.stats import AgentStats
+
 # 2: connection-bound clients, lease generations, error codes
 # 3: the published index (clients answer pool lookups themselves) and Looked reports; the
 #    pool read-only to clients, stores written into a staging area (LeaseReply.staging)
-PROTOCOL_VERSION = 3
+# 4: the stats reply typed (stats.AgentStats) instead of a free-form mapping
+PROTOCOL_VERSION = 4
 ONE_WAY = b"\0" * 8
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_KEYS = 65536
@@ -204,7 +207,7 @@ class Ack(msgspec.Struct, tag="ack"):
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply"):
-    stats: dict[str, object]
+    stats: AgentStats
 
 
 class EventsReply(msgspec.Struct, tag="events_reply"):

@@ -19,6 +19,7 @@ from typing import Any
 from kvtier.agent.config import ReportConfig
 from kvtier.agent.node_status import build_report
 from kvtier.agent.registry import Registry
+from kvtier.agent.stats import AgentStats
 
 log = logging.getLogger("kvtier.agent.report")
 
@@ -27,7 +28,7 @@ class Reporter:
     """A thread publishing `collect()` through the registry at a bounded rate."""
 
     def __init__(
-        self, config: ReportConfig, registry: Registry, collect: Callable[[], dict[str, Any]]
+        self, config: ReportConfig, registry: Registry, collect: Callable[[], AgentStats]
     ) -> None:
         self.config = config
         self.registry = registry

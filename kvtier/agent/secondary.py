@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.config import TierConfig
@@ -36,6 +36,7 @@ from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import Entry
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.protocol import Where
+from kvtier.agent.stats import PeerCounts, Tally, TierCount, TierCounts, TierStats
 from kvtier.agent.tiers import CorruptChunk, SecondaryTier, TierContext, build_tier
 
 if TYPE_CHECKING:
@@ -44,6 +45,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.agent.secondary")
 
 FAILURES_TO_UNHEALTHY = 3
+_DropReason = Literal["pool_pressure", "unhealthy", "queue_full"]
+_DROPPED: dict[_DropReason, TierCount] = {
+    "pool_pressure": "dropped_pool_pressure",
+    "unhealthy": "dropped_unhealthy",
+    "queue_full": "dropped_queue_full",
+}
 
 
 @dataclass
@@ -53,7 +60,7 @@ class _Tier:
     config: TierConfig
     backend: SecondaryTier
     queue: queue.Queue[Entry | None]
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: Tally[TierCounts] = field(default_factory=lambda: Tally(TierCounts()))
 
     @property
     def name(self) -> str:
@@ -62,10 +69,6 @@ class _Tier:
     lock: threading.Lock = field(default_factory=threading.Lock)
     failures: int = 0  # operations failed or timed out in a row
     healthy: bool = True
-
-    def count(self, what: str, n: int = 1) -> None:
-        with self.lock:
-            self.counts[what] = self.counts.get(what, 0) + n
 
     def outcome(self, ok: bool) -> bool:
         """Record an operation's outcome; True when it turned the tier unhealthy."""
@@ -145,7 +148,7 @@ class SecondaryTiers:
                         self._enqueue(tier, entry)
 
     def _enqueue(self, tier: _Tier, entry: Entry) -> None:
-        reason = "pool_pressure" if self._pins >= self._max_pins else None
+        reason: _DropReason | None = "pool_pressure" if self._pins >= self._max_pins else None
         if not tier.healthy:
             reason = "unhealthy"
         if reason is None:
@@ -154,8 +157,7 @@ class SecondaryTiers:
             except queue.Full:
                 reason = "queue_full"
         if reason is not None:
-            tier.count("dropped")
-            self.metrics.writeback_dropped.labels(tier.name, reason).inc()
+            tier.counts.add(_DROPPED[reason])
             return
         self.host.pin_locked(entry)  # released by the writer: the slot cannot be reused meanwhile
         with self._pins_lock:
@@ -167,15 +169,12 @@ class SecondaryTiers:
             try:
                 tier.backend.write(entry.header(), self.host.payload(entry))
             except Exception as exc:
-                tier.count("write_errors")
-                self.metrics.writeback_dropped.labels(tier.name, "error").inc()
-                self.metrics.tier_errors.labels(tier.name, "write").inc()
+                tier.counts.add("write_errors")
                 log.warning("tier %s: write failed: %s", tier.name, exc)
                 self._outcome(tier, False)
             else:
                 self._outcome(tier, True)
-                tier.count("writebacks")
-                self.metrics.writebacks.labels(tier.name).inc()
+                tier.counts.add("writebacks")
                 self.metrics.tier_seconds.labels(tier.name, "write").observe(
                     time.perf_counter() - started
                 )
@@ -203,10 +202,8 @@ class SecondaryTiers:
             hits = [i for i, hit in zip(todo, found, strict=True) if hit]
             for i in hits:
                 where[i] = position
-            tier.count("hits", len(hits))
-            tier.count("misses", len(todo) - len(hits))
-            self.metrics.hits.labels(tier.name).inc(len(hits))
-            self.metrics.tier_misses.labels(tier.name).inc(len(todo) - len(hits))
+            tier.counts.add("hits", len(hits))
+            tier.counts.add("misses", len(todo) - len(hits))
             todo = [i for i, hit in zip(todo, found, strict=True) if not hit]
         return where
 
@@ -227,7 +224,7 @@ class SecondaryTiers:
             wait_futures(jobs, timeout=max(0.0, deadline - time.monotonic()))
             for job in jobs:
                 if not job.done():
-                    tier.count("read_timeouts")
+                    tier.counts.add("read_timeouts")
                     self._outcome(tier, False)
                 elif job.exception() is None:
                     found.update((key, position) for key in job.result())
@@ -242,8 +239,7 @@ class SecondaryTiers:
             headers: list[ChunkHeader | None] = []
             for result in tier.backend.read_many(namespace, wanted, outs):
                 if isinstance(result, CorruptChunk):
-                    tier.count("corrupt")
-                    self.metrics.corrupt.labels(tier.name).inc()
+                    tier.counts.add("corrupt")
                     log.warning("tier %s: dropped a corrupt chunk: %s", tier.name, result)
                     result = None
                 headers.append(result)
@@ -252,30 +248,29 @@ class SecondaryTiers:
         try:
             held = self.host.promote(namespace, keys, fill)
         except Exception as exc:
-            tier.count("read_errors")
-            self.metrics.tier_errors.labels(tier.name, "read").inc()
+            tier.counts.add("read_errors")
             log.warning("tier %s: read failed: %s", tier.name, exc)
             self._outcome(tier, False)
             return []
         self._outcome(tier, True)
         promoted = [key for key, ok in zip(keys, held, strict=True) if ok]
         if promoted:
-            tier.count("promotions", len(promoted))
-            self.metrics.promotions.labels(tier.name).inc(len(promoted))
+            tier.counts.add("promotions", len(promoted))
             self.metrics.tier_seconds.labels(tier.name, "read").observe(
                 time.perf_counter() - started
             )
         return promoted
 
-    def _timed(self, tier: _Tier, op: str, deadline: float, fn: Any, *args: Any) -> Any | None:
+    def _timed(
+        self, tier: _Tier, op: Literal["exists", "probe"], deadline: float, fn: Any, *args: Any
+    ) -> Any | None:
         """Run one tier call on the I/O pool within the deadline; None on error or timeout."""
         started = time.perf_counter()
         future = self._io.submit(fn, *args)
         try:
             result = future.result(timeout=max(0.0, deadline - time.monotonic()))
         except Exception as exc:
-            tier.count(f"{op}_errors")
-            self.metrics.tier_errors.labels(tier.name, op).inc()
+            tier.counts.add("exists_errors" if op == "exists" else "probe_errors")
             log.warning("tier %s: %s failed or timed out: %s", tier.name, op, type(exc).__name__)
             self._outcome(tier, False)
             return None
@@ -313,12 +308,11 @@ class SecondaryTiers:
                 try:
                     evicted = tier.backend.maintain()
                 except Exception as exc:
-                    self.metrics.tier_errors.labels(tier.name, "maintain").inc()
+                    tier.counts.add("maintain_errors")
                     log.warning("tier %s: upkeep failed: %s", tier.name, exc)
                     continue
                 if evicted:
-                    tier.count("evictions", evicted)
-                    self.metrics.evictions.labels(tier.name).inc(evicted)
+                    tier.counts.add("evictions", evicted)
 
     def _bind_gauges(self, tier: _Tier) -> None:
         m, backend = self.metrics, tier.backend
@@ -327,22 +321,24 @@ class SecondaryTiers:
         m.used_bytes.labels(tier.name).set_function(lambda: backend.usage().used_bytes)
         m.chunks.labels(tier.name).set_function(lambda: backend.usage().objects)
 
-    def stats(self) -> list[dict[str, Any]]:
+    def stats(self) -> list[TierStats]:
         out = []
         for tier in self.tiers:
             usage = tier.backend.usage()
+            counts = tier.counts.read()
+            peer = tier.backend.counters()
             out.append(
-                {
-                    "name": tier.name,
-                    "kind": tier.backend.kind,
-                    "capacity_bytes": usage.capacity_bytes,
-                    "used_bytes": usage.used_bytes,
-                    "chunks": usage.objects,
-                    "queued": tier.queue.qsize(),
-                    "healthy": tier.healthy,
-                    **tier.counts,
-                    **tier.backend.counters(),
-                }
+                TierStats(
+                    name=tier.name,
+                    kind=tier.backend.kind,
+                    capacity_bytes=usage.capacity_bytes,
+                    used_bytes=usage.used_bytes,
+                    chunks=usage.objects,
+                    queued=tier.queue.qsize(),
+                    healthy=tier.healthy,
+                    counts=counts,
+                    peer=peer if isinstance(peer, PeerCounts) else None,
+                )
             )
         return out
 

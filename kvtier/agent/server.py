@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -43,6 +42,7 @@ from kvtier.agent.report import Reporter
 from kvtier.agent.runtime_checks import check_runtime
 from kvtier.agent.secondary import SecondaryTiers
 from kvtier.agent.shm_index import digest_ids
+from kvtier.agent.stats import AgentStats
 from kvtier.agent.tiers import TierContext
 
 log = logging.getLogger("kvtier.agent")
@@ -102,16 +102,17 @@ class Agent:
             if self.registry is not None
             else None
         )
+        self.metrics.count_from(self.stats)
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            **self.host.stats(),
-            "tiers": self.tiers.stats() if self.tiers is not None else [],
-            "peers": self.peer_tier.peers() if self.peer_tier is not None else [],
-            "clients": len(self.clients),
-            "name": self.config.name,
-            "metrics_port": self.metrics_port,
-        }
+    def stats(self) -> AgentStats:
+        return AgentStats(
+            name=self.config.name,
+            host=self.host.stats(),
+            tiers=self.tiers.stats() if self.tiers is not None else [],
+            peers=self.peer_tier.peers() if self.peer_tier is not None else [],
+            clients=len(self.clients),
+            metrics_port=self.metrics_port,
+        )
 
     def serve(self) -> None:
         cfg = self.config
@@ -241,8 +242,11 @@ class Agent:
         match request:
             case p.Lookup(namespace, keys, source):
                 hits, prefix = host.lookup(namespace, keys)
-                # keys logged by digest, as lookups clients answer are reported (Looked)
-                self.access_log.record_request(namespace, digest_ids(namespace, keys), hits)
+                # keys logged by digest, as lookups clients answer are reported (Looked);
+                # the digests of all keys only for a request the log keeps
+                first = digest_ids(namespace, keys[:1])
+                if self.access_log.sampled(namespace, first[0] if first else None):
+                    self.access_log.record(namespace, digest_ids(namespace, keys), hits)
                 if self.tiers is not None and prefix < len(keys):
                     return lambda: self._lookup_tiers(namespace, keys, hits, source, deadline)
                 return p.LookupReply(hits, prefix, [0 if h else Where.MISS for h in hits])

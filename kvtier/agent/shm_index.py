@@ -63,6 +63,7 @@ from kvtier.agent.pool_layout import (
     index_capacity,
     index_file_bytes,
 )
+from kvtier.agent.shm_files import new_file
 
 MAGIC = b"KVTSHIX1"
 VERSION = 1
@@ -256,16 +257,8 @@ class TableWriter:
     def __init__(self, path: Path, slot_count: int, boot: int, mode: int = 0o640) -> None:
         capacity = index_capacity(slot_count)
         retire(path)
-        tmp = path.with_name(path.name + ".new")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode)
-        try:
-            os.fchmod(fd, mode)  # the umask must not widen or narrow it
-            os.posix_fallocate(fd, 0, index_file_bytes(capacity))
-            os.pwrite(
-                fd, _HEADER.pack(MAGIC, VERSION, WINDOW, capacity, capacity + INDEX_SPARE, boot), 0
-            )
-        finally:
-            os.close(fd)
+        header = _HEADER.pack(MAGIC, VERSION, WINDOW, capacity, capacity + INDEX_SPARE, boot)
+        tmp = new_file(path, index_file_bytes(capacity), mode, header)
         lock_fd = os.open(tmp, os.O_RDONLY)
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held until this process ends
         os.replace(tmp, path)

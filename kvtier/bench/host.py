@@ -135,7 +135,7 @@ def copy_cases(
 def wait_sealed(client: AgentClient, timeout: float = 60.0) -> None:
     """Let the agent's sealer finish, so it does not compete with what is measured next."""
     deadline = time.monotonic() + timeout
-    while client.stats()["pinned_slots"] and time.monotonic() < deadline:
+    while client.stats().host.pinned_slots and time.monotonic() < deadline:
         time.sleep(0.01)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.pool_layout import PAGE
+from kvtier.agent.stats import PeerCounts
 from kvtier.agent.tiers.nixl_path import available
 from kvtier.agent.tiers.peer_wire import write_keys
 from kvtier.bench import netns
@@ -148,11 +149,11 @@ def node(
 
 def measure(
     scratch: Path, place: Place, data_path: str, row: int, chunks: int, rounds: int, lookups: int
-) -> tuple[list[float], list[float], list[float], dict[str, Any]]:
+) -> tuple[list[float], list[float], list[float], PeerCounts]:
     """Per round: GB/s bringing `chunks` rows held by another agent into this one's pool, and
     raw TCP GB/s moving the same bytes just before (this machine's speed drifts, so each
     round is compared with its own baseline); then remote lookup latencies (µs) and the
-    peer tier's stats."""
+    peer tier's counters."""
     tag = f"{place.name}-{data_path}"
     a = node(scratch, f"{tag}-a", row, chunks * (rounds + 1) + 8, data_path, place.addresses[0])
     # One request promotes at most a quarter of the pool (a slow tier cannot drain it).
@@ -170,7 +171,7 @@ def measure(
         for r in range(rounds + 1):  # round 0 warms up: connections, NIXL's wire-up
             keys = [b"r%d-%08d" % (r, i) for i in range(chunks)]
             producer.store(NS, keys, data)
-            while producer.stats()["tiers"][0].get("writebacks", 0) < chunks * (r + 1):
+            while producer.stats().tiers[0].counts.writebacks < chunks * (r + 1):
                 time.sleep(0.05)
             tcp = place.tcp_gbps(chunks * row, row)
             # Timed, as an engine does it: the lookup (the keys' homes asked), then the load
@@ -193,8 +194,9 @@ def measure(
             started = time.perf_counter()
             consumer.lookup(NS, probe)
             latencies.append((time.perf_counter() - started) * 1e6)
-        stats = consumer.stats()["tiers"][0]
-    return kv, raw, latencies, stats
+        counts = consumer.stats().tiers[0].peer
+    assert counts is not None, "the consumer's first tier is its peer tier"
+    return kv, raw, latencies, counts
 
 
 def measure_place(
@@ -207,11 +209,11 @@ def measure_place(
     reads: dict[str, int] = {}
     latencies: list[float] = []
     for path in paths:
-        kv, tcp, lookup, stats = measure(scratch, place, path, row, chunks, rounds, lookups)
+        kv, tcp, lookup, counts = measure(scratch, place, path, row, chunks, rounds, lookups)
         per_round[path] = kv
         ratios[path] = statistics.median(k / t for k, t in zip(kv, tcp, strict=True))
         raw += tcp
-        reads[path] = int(stats.get(f"{path.removesuffix('-curve')}_reads", 0))
+        reads[path] = counts.nixl_reads if path.startswith("nixl") else counts.zmq_reads
         if reads[path] != chunks * (rounds + 1):
             raise RuntimeError(f"{place.name}, {path}: {reads[path]} of the chunks took it")
         latencies += lookup

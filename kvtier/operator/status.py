@@ -49,11 +49,11 @@ def _conflict(model: str, fingerprints: Iterable[str]) -> str:
 class _Totals:
     """What the tier's nodes add up to, gathered in one pass over them."""
 
-    ready: int = 0
+    ready: int = 0  # nodes whose heartbeat is recent
     host_used: int = 0
     host_capacity: int = 0
     lookups: int = 0
-    hits: int = 0
+    hits: int = 0  # on any tier
     peers: set[str] = field(default_factory=set)
     fingerprints: set[str] = field(default_factory=set)
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)

@@ -47,7 +47,7 @@ def test_store_reset_lookup_promote_byte_identical(
     ids = list(range(6))
     engine.store(ids)
     with AgentClient(agent_config.endpoint) as client:
-        assert client.stats()["chunks"] == 6
+        assert client.stats().host.chunks == 6
     engine.reset_primary()
     answers, trace = engine.lookup(ids)
     # host hits are answered in the first scheduler step, from the index the agent
@@ -82,7 +82,7 @@ def test_other_fingerprint_gets_no_hits_and_is_reported(
     assert answers == [MISS, MISS]
     bf16.store([3])
     with AgentClient(agent_config.endpoint) as client:
-        namespaces = client.stats()["namespaces"]
+        namespaces = client.stats().host.namespaces
     assert sorted(namespaces.values()) == [1, 2]
     assert set(namespaces) == {fp16.tier.namespace, bf16.tier.namespace}
     # what `kubectl kvtier explain-miss` reports: same model, other KV-cache dtype
@@ -157,7 +157,7 @@ def test_kv_events_report_the_whole_nodes_stores_and_evictions(
     )
     assert all(e.medium is Medium.CPU and not e.removed for e in stored)
     with AgentClient(agent_config.endpoint) as client:  # fill the pool: 1, 2, 3 go
-        slots = client.stats()["slots"]
+        slots = client.stats().host.slots
         client.store(
             engine.tier.namespace,
             [b"filler-%d" % i for i in range(slots)],

@@ -9,12 +9,16 @@ removing it, so the caller only counts it and treats it as a miss.
 from __future__ import annotations
 
 import re
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import xxhash
 
 from kvtier.agent.chunk import HEADER_BYTES, ChunkHeader, checksum
+from kvtier.agent.stats import PeerCounts
 
 
 class CorruptChunk(Exception):
@@ -109,16 +113,61 @@ class SecondaryTier(ABC):
     def maintain(self) -> int:
         """Periodic upkeep (rescans, eviction to the watermarks); returns chunks evicted."""
 
-    def counters(self) -> dict[str, int]:
-        """Tier-specific counters for the agent's stats (how chunks moved, refusals)."""
-        return {}
+    def counters(self) -> PeerCounts | None:
+        """The peer tier's traffic counters for the agent's stats; other tiers have none
+        beyond what every tier counts."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release clients and threads."""
 
 
+class BlobConfig(Protocol):
+    capacity: int
+
+
+C = TypeVar("C", bound=BlobConfig)
+
+
+class BlobTier(SecondaryTier, Generic[C]):
+    """A tier that keeps each chunk as one blob, its header page then its payload, named
+    `blob_path` under a root (a directory, a bucket's prefix), and counts the bytes it
+    holds against its configured capacity. `_lock` guards what subclasses count."""
+
+    blob = "blob"  # what one is called in errors: "file", "object"
+
+    def __init__(self, name: str, config: C, root: str) -> None:
+        super().__init__(name)
+        self.config = config
+        self._root = root
+        self._lock = threading.Lock()
+        self._used = 0
+
+    def blob_name(self, namespace: str, key: bytes) -> str:
+        # A plain string: pathlib costs several microseconds per operation on a hot path.
+        return self._root + blob_path(namespace, key)
+
+    def checked_read(
+        self,
+        header_page: bytes | memoryview,
+        namespace: str,
+        key: bytes,
+        out: memoryview,
+        read_payload: Callable[[ChunkHeader], int],
+    ) -> ChunkHeader:
+        """A blob read back into `out`: its header checked against what was asked for,
+        then its payload, which `read_payload` puts in `out` (returning the bytes it got),
+        checked for length and checksum. Raises CorruptChunk."""
+        header = check_blob(header_page, namespace, key, len(out))
+        if read_payload(header) < header.length:
+            raise CorruptChunk(f"{self.blob} is shorter than its header says")
+        check_payload(header, out)
+        return header
+
+
 __all__ = [
     "HEADER_BYTES",
+    "BlobTier",
     "CorruptChunk",
     "SecondaryTier",
     "TierUsage",

@@ -31,16 +31,7 @@ from pathlib import Path
 from kvtier.agent.chunk import CHUNK_VERSION, ChunkHeader
 from kvtier.agent.config import FilesystemTierConfig
 from kvtier.agent.pool_layout import PAGE
-from kvtier.agent.tiers.base import (
-    HEADER_BYTES,
-    CorruptChunk,
-    SecondaryTier,
-    TierUsage,
-    blob_path,
-    check_blob,
-    check_payload,
-    namespace_dir,
-)
+from kvtier.agent.tiers.base import HEADER_BYTES, BlobTier, CorruptChunk, TierUsage, namespace_dir
 
 log = logging.getLogger("kvtier.agent.tiers.filesystem")
 
@@ -96,17 +87,14 @@ def _writer_suffix() -> str:
     return suffix
 
 
-class FilesystemTier(SecondaryTier):
+class FilesystemTier(BlobTier[FilesystemTierConfig]):
     kind = "filesystem"
+    blob = "file"
 
     def __init__(self, name: str, config: FilesystemTierConfig) -> None:
-        super().__init__(name)
-        self.config = config
+        super().__init__(name, config, f"{config.path}/")
         self.root = config.path
         self.root.mkdir(parents=True, exist_ok=True)
-        self._root = str(self.root)
-        self._lock = threading.Lock()
-        self._used = 0
         self._objects = 0
         self._next_scan = 0.0
         self._direct = config.direct_io and hasattr(os, "O_DIRECT")
@@ -114,18 +102,14 @@ class FilesystemTier(SecondaryTier):
     # --- reads and writes --------------------------------------------------------------
 
     def path_for(self, namespace: str, key: bytes) -> Path:
-        return Path(self._path(namespace, key))
-
-    def _path(self, namespace: str, key: bytes) -> str:
-        # Plain strings: pathlib costs several microseconds per operation on this hot path.
-        return f"{self._root}/{blob_path(namespace, key)}"
+        return Path(self.blob_name(namespace, key))
 
     def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
         exists = os.path.exists
-        return [exists(self._path(namespace, k)) for k in keys]
+        return [exists(self.blob_name(namespace, k)) for k in keys]
 
     def write(self, header: ChunkHeader, payload: memoryview) -> None:
-        path = self._path(header.namespace, header.key)
+        path = self.blob_name(header.namespace, header.key)
         if os.path.exists(path):
             return
         parent, name = os.path.split(path)
@@ -163,7 +147,7 @@ class FilesystemTier(SecondaryTier):
             self._objects += 1
 
     def read_into(self, namespace: str, key: bytes, out: memoryview) -> ChunkHeader | None:
-        path = self._path(namespace, key)
+        path = self.blob_name(namespace, key)
         try:
             fd = self._open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -173,10 +157,7 @@ class FilesystemTier(SecondaryTier):
                 # One read for header and payload; the header lands in an aligned page.
                 page = _header_page()
                 got = _vectored(os.preadv, fd, [page, out], 0) - HEADER_BYTES
-                header = check_blob(page, namespace, key, len(out))
-                if got < header.length:
-                    raise CorruptChunk("file is shorter than its header says")
-                check_payload(header, out)
+                header = self.checked_read(page, namespace, key, out, lambda _: got)
             except CorruptChunk:
                 self._quarantine(Path(path))
                 raise

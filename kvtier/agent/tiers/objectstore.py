@@ -11,7 +11,6 @@ Credentials come from a mounted directory or the environment and are never logge
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -23,15 +22,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.config import ObjectStoreTierConfig
-from kvtier.agent.tiers.base import (
-    HEADER_BYTES,
-    CorruptChunk,
-    SecondaryTier,
-    TierUsage,
-    blob_path,
-    check_blob,
-    check_payload,
-)
+from kvtier.agent.tiers.base import HEADER_BYTES, BlobTier, CorruptChunk, TierUsage
 
 log = logging.getLogger("kvtier.agent.tiers.objectstore")
 
@@ -42,6 +33,19 @@ _READ_BLOCK = 1 << 20
 def _is_absent(exc: ClientError) -> bool:
     code = str(exc.response.get("Error", {}).get("Code", ""))
     return code in {"404", "NoSuchKey", "NotFound"}
+
+
+def _read_payload(body: Any, out: memoryview, length: int) -> int:
+    """Up to `length` bytes of a streamed object body into `out`, a block at a time; returns
+    the bytes read (fewer where the object ends early)."""
+    done = 0
+    while done < length:
+        block = body.read(min(_READ_BLOCK, length - done))
+        if not block:
+            break
+        out[done : done + len(block)] = block
+        done += len(block)
+    return done
 
 
 def make_s3_client(config: ObjectStoreTierConfig) -> Any:
@@ -70,28 +74,23 @@ def make_s3_client(config: ObjectStoreTierConfig) -> Any:
     )
 
 
-class ObjectStoreTier(SecondaryTier):
+class ObjectStoreTier(BlobTier[ObjectStoreTierConfig]):
     kind = "objectStore"
+    blob = "object"
 
     def __init__(self, name: str, config: ObjectStoreTierConfig) -> None:
-        super().__init__(name)
-        self.config = config
+        super().__init__(name, config, config.prefix)
         self.bucket = config.bucket
         self.s3 = make_s3_client(config)
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix=f"s3-{name}")
-        self._lock = threading.Lock()
         self._known: OrderedDict[str, int] = OrderedDict()  # object key -> size, LRU first
         self._absent: dict[str, float] = {}
-        self._used = 0
         self._listed = False
-
-    def object_key(self, namespace: str, key: bytes) -> str:
-        return self.config.prefix + blob_path(namespace, key)
 
     # --- reads and writes --------------------------------------------------------------
 
     def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
-        names = [self.object_key(namespace, k) for k in keys]
+        names = [self.blob_name(namespace, k) for k in keys]
         now = time.monotonic()
         answer: dict[str, bool] = {}
         with self._lock:
@@ -119,7 +118,7 @@ class ObjectStoreTier(SecondaryTier):
         return True
 
     def write(self, header: ChunkHeader, payload: memoryview) -> None:
-        name = self.object_key(header.namespace, header.key)
+        name = self.blob_name(header.namespace, header.key)
         with self._lock:
             if name in self._known:
                 return
@@ -130,7 +129,7 @@ class ObjectStoreTier(SecondaryTier):
             self._absent.pop(name, None)
 
     def read_into(self, namespace: str, key: bytes, out: memoryview) -> ChunkHeader | None:
-        name = self.object_key(namespace, key)
+        name = self.blob_name(namespace, key)
         try:
             response = self.s3.get_object(Bucket=self.bucket, Key=name)
         except ClientError as exc:
@@ -141,15 +140,13 @@ class ObjectStoreTier(SecondaryTier):
             raise
         body = response["Body"]
         try:
-            header = check_blob(body.read(HEADER_BYTES), namespace, key, len(out))
-            done = 0
-            while done < header.length:
-                block = body.read(min(_READ_BLOCK, header.length - done))
-                if not block:
-                    raise CorruptChunk("object is shorter than its header says")
-                out[done : done + len(block)] = block
-                done += len(block)
-            check_payload(header, out)
+            header = self.checked_read(
+                body.read(HEADER_BYTES),
+                namespace,
+                key,
+                out,
+                lambda header: _read_payload(body, out, header.length),
+            )
         except CorruptChunk:
             self._delete(name)
             raise

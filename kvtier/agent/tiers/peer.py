@@ -27,6 +27,7 @@ import msgspec
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.config import PeerTierConfig
 from kvtier.agent.registry import Registry
+from kvtier.agent.stats import PeerCount, PeerCounts, Tally
 from kvtier.agent.tiers import TierContext
 from kvtier.agent.tiers.base import CorruptChunk, SecondaryTier, TierUsage
 from kvtier.agent.tiers.peer_connection import Connection, Connections, call_all
@@ -76,7 +77,7 @@ class PeerTier(SecondaryTier):
         self._announced_at = -float("inf")
         self._announced_to: list[str] = []  # the membership the last announcement used
         self._retained_for: set[str] = set()  # the membership the directory was pruned to
-        self._counts: dict[str, int] = {}
+        self._counts: Tally[PeerCounts] = Tally(PeerCounts())
         self._evictions_seen: dict[str, int] = {}  # namespace -> event seq withdrawn up to
         self._expired_at = time.monotonic()
 
@@ -180,7 +181,6 @@ class PeerTier(SecondaryTier):
             return
         if not self.membership.is_member(source):
             self._count("refused_sources")
-            self.server.host.metrics.peer_refused.inc(len(keys))
             log.warning("refused a request naming %r as its source: not a member", source[:200])
             return
         reply = self._connections.to(source).call(Holds(namespace, keys))
@@ -240,27 +240,18 @@ class PeerTier(SecondaryTier):
             self.exists(namespace, unknown)
         return self._reader.read(namespace, keys, outs)
 
-    def _count(self, what: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[what] = self._counts.get(what, 0) + n
-        metrics = self.server.host.metrics
-        if what.endswith("_reads"):
-            metrics.peer_chunks.labels(what.removesuffix("_reads")).inc(n)
-        elif what == "nixl_failures":
-            metrics.peer_nixl_failures.inc(n)
-        elif what == "busy":
-            metrics.peer_busy.inc(n)
+    def _count(self, what: PeerCount, n: int = 1) -> None:
+        self._counts.add(what, n)
 
-    def counters(self) -> dict[str, int]:
-        with self._lock:
-            counts = {**self._counts, "lent": self.server.lent(), "refused": self.server.refused}
-        return {
-            **counts,
-            "refused_requests": self.server.refused_requests,
-            "refused_handshakes": self.server.refused_handshakes,
-            "connections": self.open_connections(),
-            "directory_keys": len(self.server.directory),
-        }
+    def counters(self) -> PeerCounts:
+        counts = self._counts.read()
+        counts.lent = self.server.lent()
+        counts.refused = self.server.refused
+        counts.refused_requests = self.server.refused_requests
+        counts.refused_handshakes = self.server.refused_handshakes
+        counts.connections = self.open_connections()
+        counts.directory_keys = len(self.server.directory)
+        return counts
 
     def usage(self) -> TierUsage:
         return TierUsage(0, 0, len(self._holders.found))

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.agent.chunk import ChunkHeader
+from kvtier.agent.stats import PeerCount
 from kvtier.agent.tiers.base import CorruptChunk, check_blob, check_payload
 from kvtier.agent.tiers.peer_connection import Connection, Connections
 from kvtier.agent.tiers.peer_server import PeerServer
@@ -35,7 +36,7 @@ HOLDER_CACHE = 65536
 MAX_BATCH = 64  # chunks asked of one holder in one request
 ZMQ_BATCH = 8
 NIXL_RETRY_SECONDS = 60.0
-Count = Callable[[str, int], None]
+Count = Callable[[PeerCount, int], None]
 
 
 class _NixlFailed(Exception):

@@ -102,7 +102,6 @@ class PeerServer:
         # Set by the peer tier, which follows the tier's membership; until then, nobody.
         self.is_member: Callable[[str], bool] = lambda endpoint: False
         self.members: Callable[[], frozenset[str]] = frozenset
-        host.metrics.peer_lent.set_function(self.lent)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvtier-peers", daemon=True)
         self._thread.start()
@@ -168,7 +167,6 @@ class PeerServer:
 
     def _refuse(self, what: str) -> None:
         self.refused_requests += 1
-        self.host.metrics.peer_refused.inc()
         log.warning("peer request refused: %s", what)
 
     def _handle(self, request: PeerRequest) -> bytes | None:
@@ -252,7 +250,6 @@ class PeerServer:
         room = max(0, self.config.max_lent_chunks - self.lent())
         asked, refused = keys[:room], len(keys) - min(room, len(keys))
         self.refused += refused
-        self.host.metrics.peer_refused.inc(refused)
         chunks: list[tuple[int, ChunkHeader] | str] = []
         lease = 0
         if asked:

@@ -26,45 +26,40 @@ class Answer(StrEnum):
     REFUSED = "refused"  # the request named (or came from) something that is not a member
 
 
-class Announce(msgspec.Struct, tag="announce"):
+class ChunkKeys(msgspec.Struct):
+    """A message about some chunks of one namespace; each kind is a subclass with its tag
+    (the fields stay first on the wire, before any the kind adds)."""
+
     namespace: str
     keys: list[bytes]
+
+
+class Announce(ChunkKeys, tag="announce"):
     holder: str  # the holder's peer endpoint
 
 
-class Withdraw(msgspec.Struct, tag="withdraw"):
+class Withdraw(ChunkKeys, tag="withdraw"):
     """The holder no longer holds these keys (its pool evicted them)."""
 
-    namespace: str
-    keys: list[bytes]
     holder: str
 
 
-class Damaged(msgspec.Struct, tag="damaged"):
+class Damaged(ChunkKeys, tag="damaged"):
     """These chunks arrived failing their checksums: check your copies."""
 
-    namespace: str
-    keys: list[bytes]
+
+class WhoHas(ChunkKeys, tag="who_has"):
+    """Which members hold these keys? Asked of the keys' home; answered with one holder's
+    peer endpoint per key (empty where none)."""
 
 
-class WhoHas(msgspec.Struct, tag="who_has"):
-    namespace: str
-    keys: list[bytes]
-
-
-class Fetch(msgspec.Struct, tag="fetch"):
+class Fetch(ChunkKeys, tag="fetch"):
     """Send these chunks over ZMQ: answered with one `Answer` per key (sent, absent, busy),
     then a header frame and a payload frame per chunk sent."""
 
-    namespace: str
-    keys: list[bytes]
 
-
-class Holds(msgspec.Struct, tag="holds"):
+class Holds(ChunkKeys, tag="holds"):
     """Direct mode: which of these keys does your pool hold?"""
-
-    namespace: str
-    keys: list[bytes]
 
 
 class NixlHello(msgspec.Struct, tag="nixl_hello"):
@@ -75,11 +70,8 @@ class NixlHello(msgspec.Struct, tag="nixl_hello"):
     asker: str = ""
 
 
-class Lend(msgspec.Struct, tag="lend"):
+class Lend(ChunkKeys, tag="lend"):
     """Lease these chunks' slots for NIXL READs; answered with a `Loan`."""
-
-    namespace: str
-    keys: list[bytes]
 
 
 class Return(msgspec.Struct, tag="return"):
