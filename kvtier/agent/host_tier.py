@@ -93,7 +93,6 @@ class HostTier:
             boot,
             rest_seconds=lease_seconds,
             table=self.table,
-            key_of=self._key_in_slot,
         )
         self._lock = threading.Lock()
         self._promoting = 0  # slots reserved by promotions in flight (lock held)
@@ -151,10 +150,8 @@ class HostTier:
     ) -> list[ChunkHeader | None]:
         """The headers of the sealed chunks a load leased (slot >= 0); None for the others."""
         with self._lock:
-            entries = [
-                self._index.get(namespace, key) if slot >= 0 else None
-                for key, slot in zip(keys, slots, strict=True)
-            ]
+            held = self._index.entries(namespace, keys)
+            entries = [e if slot >= 0 else None for e, slot in zip(held, slots, strict=True)]
             return [
                 e.header() if e is not None and e.checksum is not None else None for e in entries
             ]
@@ -217,8 +214,8 @@ class HostTier:
                 self._index.note_parents(namespace, keys, parents)
             budget = len(self._staging_free)
             chosen = []
-            for i, key in enumerate(keys):
-                if self._index.get(namespace, key) is None:
+            for i, entry in enumerate(self._index.entries(namespace, keys)):
+                if entry is None:
                     if not budget:
                         continue
                     budget -= 1
@@ -388,13 +385,6 @@ class HostTier:
         raw = header.pack()
         self.pool.header(slot)[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
 
-    def _key_in_slot(self, slot: int) -> tuple[str, bytes]:
-        """The namespace and key the header of a held slot names: the index keeps no keys
-        of its own (see index.py)."""
-        header = ChunkHeader.unpack(self.pool.header(slot).data)
-        assert header is not None, f"slot {slot} holds a chunk but no header"
-        return header.namespace, header.key
-
     def _claim(self, slot: int, namespace: str, key: bytes, generation: int) -> None:
         """Mark a slot as being written for a chunk, with its new generation (lock held).
         The stamp changes first: a reader that reads stamp, header, stamp and sees the same
@@ -423,7 +413,7 @@ class HostTier:
         """Check these chunks against their checksums again (a peer received one damaged)
         and drop those that fail, so no client is served them; returns how many went."""
         with self._lock:
-            held = [self._index.get(namespace, key) for key in keys]
+            held = self._index.entries(namespace, keys)
             sealed = [
                 (i, e) for i, e in enumerate(held) if e is not None and e.checksum is not None
             ]

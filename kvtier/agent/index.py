@@ -16,19 +16,30 @@ The slot of a store lease that expired rests for `rest_seconds` before it is use
 so do slots an earlier agent process had handed to writers, see `rest`): its writer may
 still be copying into it, and would otherwise alter the chunk the slot holds next.
 
-What the index knows of a chunk lives in per-slot arrays, not in objects (a chunk being
+What the index knows of a chunk lives in per-slot columns, not in objects (a chunk being
 written or ready occupies exactly one slot): an object, dict entries and an ordering node
 cost about half a kilobyte a chunk, gigabytes of agent memory for a pool of millions of
-chunks, where the arrays cost under 128 bytes a slot (`index_footprint_and_rate` in
-kvtier/bench/host.py measures it). A chunk is named by its namespace's number and a 128-bit
-blake2b digest of its key, found through open addressing over slot numbers (`_SlotMap`): two
-keys of one digest (a 2^-128 chance) would be taken for one chunk, which the slot's header in
-the pool, naming namespace and key in full, lets a reader tell. Keys are kept only where
-nothing else has them: the host tier reads a chunk's key back from its slot's header
-(`key_of`); an index without it (replay, tests) keeps them, and so does one whose policy
-names chunks by key rather than slot (ARC and prefix remember chunks after eviction, when no
-slot names them), sharing the policy's (namespace, key) tuples. An `Entry` is a view of one
-slot.
+chunks, where the columns cost under 128 bytes a slot (`index_footprint_and_rate` in
+kvtier/bench/host.py measures it). An `Entry` is a view of one slot.
+
+Every lookup the agent answers, and every one a client reports having answered from the
+published table (1,000 keys a vLLM request is common), passes through here, so the batch
+paths are numpy operations over the whole batch rather than Python work per key:
+- A chunk is placed, in an open-addressing map of slot numbers (`_SlotMap`), under the
+  64-bit digest the published table files it under (`shm_index.digests`, vectorised, where a
+  cryptographic digest costs half a microsecond a key). A batch probes the map together, one
+  position per round for the keys still probing; the map has four positions per slot, so
+  probes are short and the rounds few.
+- The same map answers clients' reports by digest (`lookup_digests`): the digest is the
+  one they looked up, so no second map is kept.
+- Identity is exact, so no chunk is ever taken for another ("never load wrong KV"): a
+  digest only says where to look. Each slot keeps its key in a fixed field of `KEY_WIDTH`
+  bytes with its length (vLLM's keys are 32-byte hashes, a few bytes more with a suffix),
+  compared for the whole batch at once; a longer key keeps a blake2b digest of itself in the
+  field and the key itself aside (`_long`), compared in full where the field matches.
+- Columns are numpy arrays, read and written for the batch by slot numbers; only the map's
+  positions and digests, walked one position at a time when a chunk is placed or removed,
+  are `array`s seen by numpy through views of the same memory.
 """
 
 from __future__ import annotations
@@ -36,18 +47,20 @@ from __future__ import annotations
 import enum
 import hashlib
 import itertools
-import struct
 from array import array
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
+import numpy as np
+import numpy.typing as npt
+
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.events import ChunkEvents
 from kvtier.agent.policy import ChunkId, EvictionPolicy
 from kvtier.agent.protocol import StoreCode, Where
-from kvtier.agent.shm_index import TableWriter, digest
+from kvtier.agent.shm_index import TableWriter, digests
 
 
 class LeaseError(ValueError):
@@ -62,51 +75,89 @@ class EntryState(enum.IntEnum):
 
 
 ChunkKey = tuple[str, bytes]
-KeyOf = Callable[[int], ChunkKey]
+Slots = npt.NDArray[np.int64]
+Mask = npt.NDArray[np.bool_]
+# Given candidate slots and the rows of the batch they were found for, which are those rows'.
+Confirm = Callable[[Slots, Slots], Mask]
 
-_MASK = (1 << 64) - 1
-_SALT = 0x9E3779B97F4A7C15  # odd, so each namespace number gets a salt of its own
-_HALVES = struct.Struct("<QQ").unpack
-
-
-def _identities(namespace: int, keys: list[bytes]) -> list[tuple[int, int]]:
-    """The 128-bit names of `keys` in namespace number `namespace`, each as two halves: the
-    first (salted by the namespace) places the chunk in the slot map, the second confirms
-    it. One call per batch: the names are what a lookup spends most of its time on."""
-    salt, blake2b, halves = namespace * _SALT & _MASK, hashlib.blake2b, _HALVES
-    named = (halves(blake2b(key, digest_size=16).digest()) for key in keys)
-    return [(first ^ salt, second) for first, second in named]
+KEY_WIDTH = 40  # bytes of a key its slot keeps; a longer key keeps a digest of itself there
+_WORDS = KEY_WIDTH // 8
+_LONG = 0xFF  # the length a slot records for a key longer than KEY_WIDTH
+# The states as plain ints, which numpy stores and compares without consulting the enum.
+_FREE, _WRITING, _READY = (state.value for state in EntryState)
 
 
-def _identity(namespace: int, key: bytes) -> tuple[int, int]:
-    return _identities(namespace, [key])[0]
+def _field(key: bytes) -> bytes:
+    """What a slot's key field holds for `key`: the key, or a digest of a longer one."""
+    if len(key) > KEY_WIDTH:
+        key = hashlib.blake2b(key, digest_size=KEY_WIDTH).digest()
+    return key.ljust(KEY_WIDTH, b"\0")
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Keys of one namespace as the index compares them: their digests (where the map
+    places them), key fields as words and recorded lengths, one row per key."""
+
+    number: int  # the namespace's
+    keys: list[bytes]
+    hashes: npt.NDArray[np.uint64]
+    words: npt.NDArray[np.uint64]  # (keys, KEY_WIDTH / 8)
+    lengths: npt.NDArray[np.uint8]
+    long: bool  # some key is longer than KEY_WIDTH
+
+    @classmethod
+    def of(cls, number: int, namespace: str, keys: list[bytes]) -> _Batch:
+        n = len(keys)
+        sizes = set(map(len, keys))
+        if len(sizes) == 1 and 0 < (size := next(iter(sizes))) <= KEY_WIDTH:
+            # the usual batch (short keys of one length): no copy per key
+            raw = np.zeros((n, KEY_WIDTH), np.uint8)
+            raw[:, :size] = np.frombuffer(b"".join(keys), np.uint8).reshape(n, size)
+            lengths: npt.NDArray[np.uint8] = np.full(n, size, np.uint8)
+        else:
+            raw = np.frombuffer(b"".join(map(_field, keys)), np.uint8).reshape(n, KEY_WIDTH)
+            lengths = np.array([len(k) if len(k) <= KEY_WIDTH else _LONG for k in keys], np.uint8)
+        hashes = digests(namespace, keys) if n else np.empty(0, np.uint64)
+        words = raw.view(np.uint64).reshape(n, _WORDS)
+        return cls(number, keys, hashes, words, lengths, max(sizes, default=0) > KEY_WIDTH)
 
 
 class _SlotMap:
-    """Open addressing from a 64-bit hash to the slot placed under it. A slot's hash and a
-    tag that confirms it live in columns of the index (`hashes`, `tags`), so a position holds
-    only a slot number: 4 bytes, two to four positions per slot. Deletion shifts the rest of
-    a cluster back (no tombstones), so probes stay short however much the chunks churn."""
+    """Open addressing from a slot's 64-bit digest to the slot: a position holds only a slot
+    number (4 bytes, four to eight positions per slot, so probes stay short), the digests
+    live in a column of the index. Deletion shifts the rest of a cluster back (no
+    tombstones), so probes stay short however much the chunks churn. A batch is found in
+    numpy rounds, one position each for the digests still probing; placing and removing one
+    slot walk its cluster in Python, over `array`s numpy sees through views."""
 
-    def __init__(self, slots: int, hashes: array[int], tags: array[int]) -> None:
-        size = 1 << (2 * max(slots, 1) - 1).bit_length()  # at least twice the slots
+    def __init__(self, slots: int, hashes: array[int]) -> None:
+        size = 1 << (4 * max(slots, 1) - 1).bit_length()  # at least four times the slots
         self._mask = size - 1
         self._at = array("i", [-1]) * size
         self._hashes = hashes
-        self._tags = tags
+        self._at_view = np.frombuffer(self._at, np.int32)
+        self._hash_view = np.frombuffer(hashes, np.uint64)
 
-    def find(self, h: int, tag: int) -> int:
-        """The slot placed under `h` with tag `tag`, or -1."""
-        at, hashes, tags, mask = self._at, self._hashes, self._tags, self._mask
-        pos = h & mask
-        while (slot := at[pos]) >= 0:
-            if hashes[slot] == h and tags[slot] == tag:
-                return slot
-            pos = (pos + 1) & mask
-        return -1
+    def find(self, hashes: npt.NDArray[np.uint64], confirm: Confirm) -> Slots:
+        """Per digest, the first slot placed under it that `confirm` accepts, else -1."""
+        found = np.full(len(hashes), -1, np.int64)
+        rows: Slots = np.arange(len(hashes))
+        pos = (hashes & np.uint64(self._mask)).astype(np.int64)
+        at, held = self._at_view, self._hash_view
+        while rows.size:
+            slots = at[pos].astype(np.int64)
+            going = slots >= 0
+            alike = np.flatnonzero(going & (held[slots] == hashes[rows]))
+            if alike.size:
+                ok = alike[confirm(slots[alike], rows[alike])]
+                found[rows[ok]] = slots[ok]
+                going[ok] = False
+            rows, pos = rows[going], (pos[going] + 1) & self._mask
+        return found
 
     def add(self, slot: int) -> None:
-        """Place `slot` under the hash its column holds."""
+        """Place `slot` under the digest its column holds."""
         at, mask = self._at, self._mask
         pos = self._hashes[slot] & mask
         while at[pos] >= 0:
@@ -114,7 +165,7 @@ class _SlotMap:
         at[pos] = slot
 
     def discard(self, slot: int) -> None:
-        """Take `slot` out (its column still holding the hash it was placed under), moving
+        """Take `slot` out (its column still holding the digest it was placed under), moving
         each later member of its cluster into the hole unless its home lies after the hole."""
         at, hashes, mask = self._at, self._hashes, self._mask
         hole = hashes[slot] & mask
@@ -134,28 +185,26 @@ class _SlotMap:
 class Entry:
     """The chunk in one slot, read from the index's columns. Entries are used only while
     their chunk holds the slot (pinned, or within one call under the agent's lock): a view
-    does not notice its slot going to another chunk. It knows its key where it was made from
-    one (a lease, a lookup by key); otherwise `id` asks the index."""
+    does not notice its slot going to another chunk."""
 
-    __slots__ = ("_index", "_key", "generation", "slot")
+    __slots__ = ("_index", "generation", "slot")
 
-    def __init__(self, index: HostIndex, slot: int, key: ChunkKey | None = None) -> None:
+    def __init__(self, index: HostIndex, slot: int) -> None:
         self._index = index
         self.slot = slot
-        self.generation = index._generation[slot]  # the slot's stamp while it holds this chunk
-        self._key = key
+        self.generation = int(index._generation[slot])  # the slot's stamp for this chunk
 
     @property
     def id(self) -> ChunkKey:
-        return self._key if self._key is not None else self._index.key_at(self.slot)
+        return self._index.key_at(self.slot)
 
     @property
     def hits(self) -> int:
-        return self._index._hits[self.slot]
+        return int(self._index._hits[self.slot])
 
     @property
     def length(self) -> int:
-        return self._index._length[self.slot]
+        return int(self._index._length[self.slot])
 
     @length.setter
     def length(self, value: int) -> None:
@@ -165,7 +214,7 @@ class Entry:
     def checksum(self) -> int | None:
         """Set once sealed: the bytes are complete and verified."""
         index = self._index
-        return index._checksum[self.slot] if index._sealed[self.slot] else None
+        return int(index._checksum[self.slot]) if index._sealed[self.slot] else None
 
     @checksum.setter
     def checksum(self, value: int) -> None:
@@ -184,7 +233,7 @@ class Lease:
     id: int
     client: str
     kind: Literal["store", "load"]
-    entries: list[Entry]
+    slots: Slots  # one per chunk held (a slot twice where a load named a key twice)
     deadline: float
     committing: bool = False  # the agent is copying its chunks in: never expired meanwhile
 
@@ -208,7 +257,6 @@ class HostIndex:
         boot: int = 0,
         rest_seconds: float = 0.0,
         table: TableWriter | None = None,
-        key_of: KeyOf | None = None,
     ) -> None:
         self.slot_count = slot_count
         self.table = table
@@ -216,48 +264,56 @@ class HostIndex:
         self.rest_seconds = rest_seconds
         self._resting: list[tuple[float, int]] = []  # (until, slot)
         # Per slot, meaningful while its state is not FREE.
-        self._state = array("B", bytes(slot_count))
-        self._namespace = array("I", [0]) * slot_count  # its namespace's number
-        self._pins = array("i", [0]) * slot_count
-        self._hits = array("Q", [0]) * slot_count
-        self._length = array("Q", [0]) * slot_count
-        self._checksum = array("Q", [0]) * slot_count
-        self._sealed = array("B", bytes(slot_count))
-        self._generation = array("Q", [0]) * slot_count
-        self._published = array("Q", [0]) * slot_count  # its digest in the table; 0: not there
-        self._place = array("Q", [0]) * slot_count  # the two halves of its `_identity`
-        self._confirm = array("Q", [0]) * slot_count
-        self._chunks = _SlotMap(slot_count, self._place, self._confirm)
-        self._by_digest = _SlotMap(slot_count, self._published, self._namespace)
+        self._state = np.zeros(slot_count, np.uint8)
+        self._namespace = np.zeros(slot_count, np.uint32)  # its namespace's number
+        self._key = np.zeros((slot_count, _WORDS), np.uint64)  # its key field (`_field`)
+        self._key_bytes = self._key.data.cast("B")
+        self._key_length = np.zeros(slot_count, np.uint8)  # _LONG: see `_long`
+        self._pins = np.zeros(slot_count, np.int32)
+        self._hits = np.zeros(slot_count, np.uint32)  # wraps after 2^32 hits of one chunk
+        self._length = np.zeros(slot_count, np.uint64)
+        self._checksum = np.zeros(slot_count, np.uint64)
+        self._sealed = np.zeros(slot_count, np.uint8)
+        self._published = np.zeros(slot_count, np.uint8)  # in the table under its digest
+        self._generation = np.zeros(slot_count, np.uint64)
+        self._digests = array("Q", [0]) * slot_count  # its `shm_index.digest`
+        self._chunks = _SlotMap(slot_count, self._digests)
+        self._long: dict[int, bytes] = {}  # slot -> a key longer than KEY_WIDTH
         self._numbers: dict[str, int] = {}
+        self._names: list[str] = []  # by number
         self._by_slot = policy.by_slot
-        self._key_of = key_of
-        self._keeps_keys = key_of is None or not policy.by_slot
-        self._keys: list[ChunkKey | None] = [None] * slot_count if self._keeps_keys else []
+        # slot of each chunk, for a policy that names chunks by key
+        self._slot_by_key: dict[ChunkKey, int] = {}
         self._free = array("i", range(slot_count - 1, -1, -1))
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count((boot << 32) + 1)
-        self._generations = itertools.count((boot << 32) + 1)
-        self._pending_hits: list[tuple[int, int]] = []  # (slot, generation) per hit
-        self._touched: list[Entry] = []
+        self._next_generation = (boot << 32) + 1
+        self._pending_hits: list[tuple[Slots, npt.NDArray[np.uint64]]] = []  # slots, stamps
+        self._touched: list[Slots] = []
         self.counters = IndexCounters()
         self.events = ChunkEvents()
 
     # --- queries -------------------------------------------------------------------------
 
     def get(self, namespace: str, key: bytes) -> Entry | None:
-        slot = self._slot(self._numbers.get(namespace), key)
-        return Entry(self, slot, (namespace, key)) if slot >= 0 else None
+        return self.entries(namespace, [key])[0]
+
+    def entries(self, namespace: str, keys: list[bytes]) -> list[Entry | None]:
+        """`get` for many keys in one pass."""
+        slots = self._slots(namespace, keys).tolist()
+        return [Entry(self, slot) if slot >= 0 else None for slot in slots]
 
     def key_at(self, slot: int) -> ChunkKey:
         """The namespace and key of the chunk in `slot`."""
-        if self._keeps_keys:
-            chunk = self._keys[slot]
-            if chunk is None:
-                raise LookupError(f"slot {slot} holds no chunk")
-            return chunk
-        assert self._key_of is not None  # given whenever keys are not kept
-        return self._key_of(slot)
+        if self._state[slot] == _FREE:
+            raise LookupError(f"slot {slot} holds no chunk")
+        length = int(self._key_length[slot])
+        if length == _LONG:
+            key = self._long[slot]
+        else:
+            start = slot * KEY_WIDTH
+            key = self._key_bytes[start : start + length].tobytes()
+        return self._names[int(self._namespace[slot])], key
 
     def lookup(self, namespace: str, keys: list[bytes]) -> tuple[list[bool], int]:
         """Per-key hits and the length of the longest all-hit prefix.
@@ -266,55 +322,62 @@ class HostIndex:
         answered, so the eviction order's upkeep stays out of the lookup's latency.
         """
         hits = self._count_lookup(self._ready_slots(namespace, keys))
-        n_hits = sum(hits)
-        return hits, hits.index(False) if n_hits < len(keys) else len(keys)
+        misses = np.flatnonzero(~hits)
+        return hits.tolist(), int(misses[0]) if misses.size else len(keys)
 
     def lookup_digests(self, namespace: str, digests: list[int]) -> list[bool]:
         """`lookup` by index digests (what clients report of the lookups they answered
         from the published table): the hits are the chunks published under them now."""
         number = self._numbers.get(namespace)
-        if number is None:
-            return self._count_lookup([-1] * len(digests))
-        find = self._by_digest.find
-        return self._count_lookup([find(d, number) for d in digests])
+
+        def published(slots: Slots, rows: Slots) -> Mask:
+            alike: Mask = (self._namespace[slots] == number) & (self._published[slots] == 1)
+            return alike
+
+        found = (
+            np.full(len(digests), -1, np.int64)
+            if number is None
+            else self._chunks.find(np.array(digests, np.uint64), published)
+        )
+        hits: list[bool] = self._count_lookup(found).tolist()
+        return hits
 
     def touch(self) -> None:
         """Tell the policy about the hits of lookups answered since the last call and raise
-        the entries' hit counts; the entries wait in `touched` for `take_touched`. A hit
-        whose chunk left its slot meanwhile is dropped (the generation tells)."""
-        state, generation, hits = self._state, self._generation, self._hits
-        touched = [
-            Entry(self, slot)
-            for slot, stamp in self._pending_hits
-            if state[slot] == EntryState.READY and generation[slot] == stamp
-        ]
-        self._pending_hits.clear()
-        if not touched:
+        the chunks' hit counts; the slots wait for `take_touched`. A hit whose chunk left its
+        slot meanwhile is dropped (the generation tells)."""
+        if not self._pending_hits:
             return
-        for entry in touched:
-            hits[entry.slot] += 1
-        self.policy.on_hits([self._chunk_id(e.slot) for e in touched])
-        self._touched += touched
+        slots = np.concatenate([slots for slots, _ in self._pending_hits])
+        stamps = np.concatenate([stamps for _, stamps in self._pending_hits])
+        self._pending_hits.clear()
+        held = (self._state[slots] == _READY) & (self._generation[slots] == stamps)
+        slots = slots[held]
+        if not slots.size:
+            return
+        np.add.at(self._hits, slots, 1)
+        self.policy.on_hits([self._chunk_id(slot) for slot in slots.tolist()])
+        self._touched.append(slots)
 
     def take_touched(self) -> list[Entry]:
         """Entries hit since the last call (once per hit), whether `touch` ran after a reply
         or before an eviction needed the current order."""
         self.touch()
-        touched, self._touched = self._touched, []
+        touched = [Entry(self, slot) for slots in self._touched for slot in slots.tolist()]
+        self._touched.clear()
         return touched
 
     def missing(self, namespace: str, keys: list[bytes]) -> list[bytes]:
         """Keys not readable from the pool, without counting a lookup."""
-        slots = self._ready_slots(namespace, keys)
+        slots = self._ready_slots(namespace, keys).tolist()
         return [key for key, slot in zip(keys, slots, strict=True) if slot < 0]
 
     def ready_keys(self) -> dict[str, set[bytes]]:
         """Every sealed chunk's key, by namespace."""
         held: dict[str, set[bytes]] = {}
-        for slot, state in enumerate(self._state):
-            if state == EntryState.READY:
-                namespace, key = self.key_at(slot)
-                held.setdefault(namespace, set()).add(key)
+        for slot in np.flatnonzero(self._state == _READY).tolist():
+            namespace, key = self.key_at(slot)
+            held.setdefault(namespace, set()).add(key)
         return held
 
     @property
@@ -334,7 +397,7 @@ class HostIndex:
         return len(self._leases)
 
     def pinned_slots(self) -> int:
-        return len(self._pins) - self._pins.count(0)
+        return int(np.count_nonzero(self._pins))
 
     # --- store ---------------------------------------------------------------------------
 
@@ -356,32 +419,19 @@ class HostIndex:
         """
         if parents is not None:
             self.note_parents(namespace, keys, parents)
-        number = self._number(namespace)
-        slots: list[int] = []
-        generations: list[int] = []
-        entries: list[Entry] = []
-        for key, identity in zip(keys, _identities(number, keys), strict=True):
-            held = self._chunks.find(*identity)
-            chunk = (namespace, key)
-            slot = None if held >= 0 else self._take_slot(chunk)
-            if slot is None:
-                if held >= 0:
-                    ready = self._state[held] == EntryState.READY
-                    slots.append(StoreCode.EXISTS if ready else StoreCode.BUSY)
-                else:
-                    self.counters.full += 1
-                    slots.append(StoreCode.FULL)
-                generations.append(0)
-                continue
-            self._hold(slot, number, identity, chunk, next(self._generations), length)
-            self._pins[slot] = 1
-            entry = Entry(self, slot, chunk)
-            entries.append(entry)
-            slots.append(slot)
-            generations.append(entry.generation)
-        if not entries:
-            return 0, slots, generations
-        return self._new_lease(client, "store", entries, deadline), slots, generations
+        batch = _Batch.of(self._number(namespace), namespace, keys)
+        slots = self._place(batch, self._find(batch).tolist())
+        granted = [i for i, slot in enumerate(slots) if slot >= 0]
+        if not granted:
+            return 0, slots, [0] * len(keys)
+        rows = np.array(granted, np.int64)
+        taken = np.array([slots[i] for i in granted], np.int64)
+        self._hold(taken, batch, rows, self._next_generation, length)
+        self._next_generation += len(granted)
+        generations = [0] * len(keys)
+        for i, generation in zip(granted, self._generation[taken].tolist(), strict=True):
+            generations[i] = generation
+        return self._new_lease(client, "store", taken, deadline), slots, generations
 
     def note_parents(self, namespace: str, keys: list[bytes], parents: list[bytes | None]) -> None:
         """Tell the policy each key's predecessor in its request (None where the store did
@@ -391,12 +441,12 @@ class HostIndex:
             raise ValueError(f"{len(parents)} parents for {len(keys)} keys")
         if self._by_slot or all(p is None for p in parents):
             return
-        number = self._numbers.get(namespace)
+        slots = self._slots(namespace, keys).tolist()
         self.policy.on_parents(
             [
                 ((namespace, key), None if parent is None else (namespace, parent))
-                for key, parent in zip(keys, parents, strict=True)
-                if self._slot(number, key) < 0
+                for key, parent, slot in zip(keys, parents, slots, strict=True)
+                if slot < 0
             ]
         )
 
@@ -406,14 +456,15 @@ class HostIndex:
         """Make a store lease's chunks readable; returns them for sealing. A chunk `keep`
         refuses (its slot was written over) is dropped before anyone can see it."""
         lease = self._take(lease_id, client, "store")
+        self._pins[lease.slots] -= 1  # a store's slots are distinct
         kept = []
-        for entry in lease.entries:
-            self._pins[entry.slot] -= 1
+        for slot in lease.slots.tolist():
+            entry = Entry(self, slot)
             if keep is not None and not keep(entry):
-                self._vacate(entry.slot)
-                self._free.append(entry.slot)
+                self._vacate(slot)
+                self._free.append(slot)
                 continue
-            self._make_ready(entry.slot, entry.id)
+            self._make_ready(slot)
             kept.append(entry)
         return kept
 
@@ -428,7 +479,7 @@ class HostIndex:
         if lease.kind != "store":
             raise ValueError(f"lease {lease_id} is a {lease.kind} lease, not a store lease")
         lease.committing = True
-        return list(lease.entries)
+        return [Entry(self, slot) for slot in lease.slots.tolist()]
 
     def abort(self, lease_id: int, client: str) -> None:
         self._release(self._take(lease_id, client, "store"))
@@ -440,26 +491,19 @@ class HostIndex:
     ) -> tuple[int, list[int], list[int]]:
         """Pin the ready chunks among `keys` for reading; MISS for the others. Returns the
         lease, the slots and each granted slot's generation (0 for a miss)."""
-        slots: list[int] = []
-        generations: list[int] = []
-        entries: list[Entry] = []
-        for key, slot in zip(keys, self._ready_slots(namespace, keys), strict=True):
-            if slot < 0:
-                slots.append(Where.MISS)
-                generations.append(0)
-                continue
-            self._pins[slot] += 1
-            entry = Entry(self, slot, (namespace, key))
-            entries.append(entry)
-            slots.append(slot)
-            generations.append(entry.generation)
-        if not entries:
-            return 0, slots, generations
-        return self._new_lease(client, "load", entries, deadline), slots, generations
+        slots = self._ready_slots(namespace, keys)
+        hit = slots >= 0
+        pinned = slots[hit]
+        generations = np.where(hit, self._generation[slots], 0)
+        listed = np.where(hit, slots, int(Where.MISS)).tolist()
+        if not pinned.size:
+            return 0, listed, generations.tolist()
+        np.add.at(self._pins, pinned, 1)
+        return self._new_lease(client, "load", pinned, deadline), listed, generations.tolist()
 
     def lease_bytes(self, lease_id: int) -> int:
         lease = self._leases.get(lease_id)
-        return sum(self._length[e.slot] for e in lease.entries) if lease else 0
+        return int(self._length[lease.slots].sum()) if lease else 0
 
     def end_load(self, lease_id: int, client: str) -> None:
         self._release(self._take(lease_id, client, "load"))
@@ -476,18 +520,18 @@ class HostIndex:
         """Index a verified chunk found in the pool after a restart, keeping its slot's
         generation (readers of the earlier agent process may still be copying it)."""
         self._free.remove(slot)
-        number = self._number(header.namespace)
-        chunk = (header.namespace, header.key)
-        self._hold(slot, number, _identity(number, header.key), chunk, generation, header.length)
-        entry = Entry(self, slot, chunk)
+        batch = _Batch.of(self._number(header.namespace), header.namespace, [header.key])
+        self._hold(np.array([slot]), batch, np.zeros(1, np.int64), generation, header.length)
+        self._pins[slot] = 0
+        entry = Entry(self, slot)
         entry.checksum = header.checksum
-        self._make_ready(slot, chunk)
+        self._make_ready(slot)
         return entry
 
     def remove(self, entry: Entry) -> None:
         """Drop a ready, unpinned chunk (it failed verification, or was deleted)."""
         slot = entry.slot
-        if self._pins[slot] or self._state[slot] != EntryState.READY:
+        if self._pins[slot] or self._state[slot] != _READY:
             return
         self.policy.on_remove(self._chunk_id(slot))
         self._forget(slot)
@@ -548,74 +592,111 @@ class HostIndex:
         return lease
 
     def _new_lease(
-        self, client: str, kind: Literal["store", "load"], entries: list[Entry], deadline: float
+        self, client: str, kind: Literal["store", "load"], slots: Slots, deadline: float
     ) -> int:
-        lease = Lease(next(self._lease_ids), client, kind, entries, deadline)
+        lease = Lease(next(self._lease_ids), client, kind, slots, deadline)
         self._leases[lease.id] = lease
         return lease.id
 
     def _release(self, lease: Lease, rest_until: float | None = None) -> None:
         """End a lease. An unfinished write is worthless: its slot goes back, to rest until
         `rest_until` when its writer may still be copying (the lease expired)."""
-        for entry in lease.entries:
-            slot = entry.slot
-            self._pins[slot] -= 1
-            if lease.kind == "store":
-                self._vacate(slot)
-                if rest_until is None:
-                    self._free.append(slot)
-                else:
-                    self._resting.append((rest_until, slot))
+        np.subtract.at(self._pins, lease.slots, 1)
+        if lease.kind == "load":
+            return
+        for slot in lease.slots.tolist():
+            self._vacate(slot)
+            if rest_until is None:
+                self._free.append(slot)
+            else:
+                self._resting.append((rest_until, slot))
 
     def _number(self, namespace: str) -> int:
         """The namespace's number, given it on first sight."""
         number = self._numbers.get(namespace)
         if number is None:
-            number = self._numbers[namespace] = len(self._numbers)
+            number = self._numbers[namespace] = len(self._names)
+            self._names.append(namespace)
         return number
 
-    def _slot(self, number: int | None, key: bytes) -> int:
-        """The slot holding `key` of namespace `number` (None: never seen), or -1."""
-        return -1 if number is None else self._chunks.find(*_identity(number, key))
-
-    def _ready_slots(self, namespace: str, keys: list[bytes]) -> list[int]:
-        """Each key's slot where its chunk is ready to read, else -1."""
+    def _slots(self, namespace: str, keys: list[bytes]) -> Slots:
+        """Each key's slot (its chunk ready or being written), else -1."""
         number = self._numbers.get(namespace)
         if number is None:
-            return [-1] * len(keys)
-        find, state, ready = self._chunks.find, self._state, EntryState.READY
-        slots = [find(place, confirm) for place, confirm in _identities(number, keys)]
-        return [slot if slot >= 0 and state[slot] == ready else -1 for slot in slots]
+            return np.full(len(keys), -1, np.int64)
+        return self._find(_Batch.of(number, namespace, keys))
 
-    def _count_lookup(self, slots: list[int]) -> list[bool]:
+    def _ready_slots(self, namespace: str, keys: list[bytes]) -> Slots:
+        """Each key's slot where its chunk is ready to read, else -1."""
+        slots = self._slots(namespace, keys)
+        return np.where(self._state[slots] == _READY, slots, -1)
+
+    def _find(self, batch: _Batch) -> Slots:
+        """Each key's slot, else -1: the map's candidates, confirmed by namespace and key."""
+
+        def same(slots: Slots, rows: Slots) -> Mask:
+            alike: Mask = (
+                (self._namespace[slots] == batch.number)
+                & (self._key_length[slots] == batch.lengths[rows])
+                & (self._key[slots] == batch.words[rows]).all(axis=1)
+            )
+            if batch.long:  # a digest in the field: the keys themselves decide
+                for i in np.flatnonzero(alike & (batch.lengths[rows] == _LONG)).tolist():
+                    alike[i] = self._long[int(slots[i])] == batch.keys[int(rows[i])]
+            return alike
+
+        return self._chunks.find(batch.hashes, same)
+
+    def _place(self, batch: _Batch, held: list[int]) -> list[int]:
+        """A slot for each key of a store not held (`held`: where each key was before the
+        store), else its code: EXISTS, BUSY (being written, by this store too) or FULL. A
+        chunk evicted for an earlier key of the batch counts as not held."""
+        state, name = self._state, self._names[batch.number]
+        placed: dict[bytes, int] = {}
+        given: set[int] = set()  # a key found in one of these was evicted for this store
+        out: list[int] = []
+        for key, slot in zip(batch.keys, held, strict=True):
+            if slot in given:
+                slot = -1
+            if slot < 0 and key in placed:
+                slot = placed[key]
+            if slot >= 0:
+                out.append(StoreCode.EXISTS if state[slot] == _READY else StoreCode.BUSY)
+                continue
+            got = self._free.pop() if self._free else self._evict((name, key))
+            if got is None:
+                self.counters.full += 1
+                out.append(StoreCode.FULL)
+                continue
+            given.add(got)
+            placed[key] = got
+            out.append(got)
+        return out
+
+    def _count_lookup(self, slots: Slots) -> Mask:
         """Count a lookup that found the chunks in `slots` (-1: a miss) and keep its hits
         for `touch`."""
-        hits = [slot >= 0 for slot in slots]
-        n_hits = sum(hits)
-        if n_hits:
-            generation = self._generation
-            self._pending_hits += [(slot, generation[slot]) for slot in slots if slot >= 0]
+        hits: Mask = slots >= 0
+        found = slots[hits]
+        if found.size:
+            self._pending_hits.append((found, self._generation[found]))
         self.counters.lookups += len(slots)
-        self.counters.hits += n_hits
+        self.counters.hits += int(found.size)
         return hits
 
     def _chunk_id(self, slot: int) -> ChunkId:
         """What the policy calls the chunk in `slot`."""
-        return slot if self._by_slot else self._keys[slot]
+        return slot if self._by_slot else self.key_at(slot)
 
     def _slot_of(self, chunk: ChunkId) -> int:
         """The slot of a chunk the policy names."""
-        if self._by_slot:
-            return cast(int, chunk)
-        namespace, key = cast(ChunkKey, chunk)
-        return self._slot(self._numbers[namespace], key)
+        return cast(int, chunk) if self._by_slot else self._slot_by_key[cast(ChunkKey, chunk)]
 
     def _evictable(self, chunk: ChunkId) -> bool:
-        return self._pins[self._slot_of(chunk)] == 0
+        return not self._pins[self._slot_of(chunk)]
 
-    def _take_slot(self, incoming: ChunkKey) -> int | None:
-        if self._free:
-            return self._free.pop()
+    def _evict(self, incoming: ChunkKey) -> int | None:
+        """Free a slot for `incoming` by evicting the chunk the policy chooses."""
         if self._pending_hits:
             self.touch()
         victim = self.policy.evict(self._evictable, None if self._by_slot else incoming)
@@ -626,44 +707,44 @@ class HostIndex:
         self.counters.evictions += 1
         return slot
 
-    def _hold(
-        self,
-        slot: int,
-        number: int,
-        identity: tuple[int, int],
-        chunk: ChunkKey,
-        generation: int,
-        length: int,
-    ) -> None:
-        """Give a free slot to a chunk being written."""
-        self._state[slot] = EntryState.WRITING
-        self._namespace[slot] = number
-        self._place[slot], self._confirm[slot] = identity
-        self._generation[slot] = generation
-        self._length[slot] = length
-        self._hits[slot] = self._pins[slot] = self._sealed[slot] = 0
-        self._chunks.add(slot)
-        if self._keeps_keys:
-            self._keys[slot] = chunk
+    def _hold(self, slots: Slots, batch: _Batch, rows: Slots, first: int, length: int) -> None:
+        """Give free slots to the batch's keys in `rows`, to be written: generations from
+        `first` on, pinned by the store."""
+        self._state[slots] = _WRITING
+        self._namespace[slots] = batch.number
+        self._key[slots] = batch.words[rows]
+        self._key_length[slots] = batch.lengths[rows]
+        self._generation[slots] = np.arange(first, first + len(slots), dtype=np.uint64)
+        self._length[slots] = length
+        self._pins[slots] = 1
+        self._hits[slots] = self._sealed[slots] = self._published[slots] = 0
+        hashes = batch.hashes[rows].tolist()
+        name = self._names[batch.number]
+        for slot, row, digest in zip(slots.tolist(), rows.tolist(), hashes, strict=True):
+            self._digests[slot] = digest
+            self._chunks.add(slot)
+            if batch.lengths[row] == _LONG:
+                self._long[slot] = batch.keys[row]
+            if not self._by_slot:
+                self._slot_by_key[name, batch.keys[row]] = slot
 
     def _vacate(self, slot: int) -> None:
         """Take a chunk out of its slot, which is free from then on."""
+        if not self._by_slot:
+            del self._slot_by_key[self.key_at(slot)]
         self._chunks.discard(slot)
-        self._state[slot] = EntryState.FREE
-        if self._keeps_keys:
-            self._keys[slot] = None
+        self._long.pop(slot, None)
+        self._state[slot] = _FREE
 
-    def _make_ready(self, slot: int, chunk: ChunkKey) -> None:
-        namespace, key = chunk
-        self._state[slot] = EntryState.READY
-        self.policy.on_insert(self._chunk_id(slot))
+    def _make_ready(self, slot: int) -> None:
+        namespace, key = chunk = self.key_at(slot)
+        self._state[slot] = _READY
+        self.policy.on_insert(slot if self._by_slot else chunk)
         self.counters.namespaces[namespace] += 1
         self.events.record(namespace, key, removed=False)
-        if self.table is not None:
-            d = digest(namespace, key)
-            if self.table.put(d, slot, self._generation[slot]):
-                self._published[slot] = d
-                self._by_digest.add(slot)
+        generation = int(self._generation[slot])
+        if self.table is not None and self.table.put(self._digests[slot], slot, generation):
+            self._published[slot] = 1
 
     def _forget(self, slot: int) -> None:
         """A ready chunk leaves the pool: withdrawn from the table before its slot can go to
@@ -671,8 +752,7 @@ class HostIndex:
         namespace, key = self.key_at(slot)
         if self._published[slot]:
             if self.table is not None:
-                self.table.remove(self._published[slot])
-            self._by_digest.discard(slot)
+                self.table.remove(self._digests[slot])
             self._published[slot] = 0
         self._vacate(slot)
         self.events.record(namespace, key, removed=True)

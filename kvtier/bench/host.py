@@ -280,19 +280,13 @@ def _index_key(i: int) -> bytes:
     return i.to_bytes(32, "little") + b"\0\0\0\1"
 
 
-KEY_BYTES = len(_index_key(0))
-
-
 def agent_index_bytes(policy: str, chunks: int) -> float:
     """Bytes per chunk of the agent's own index holding `chunks` chunks under `policy`.
 
     Traced from before the index is built, with the keys made inside the traced region, so
-    whatever the index keeps of them counts. As in the agent, each key is also written
-    where the slot's header would name it, a stand-in for the pool made before tracing
-    starts (the pool is shared memory, not the agent's heap), which the index may read keys
-    back from. Its log of stores and evictions is swapped for a one-event log: that log is
-    a ring of at most 65,536 events per namespace however many chunks the pool holds, and
-    `event_log_bytes` measures it.
+    whatever the index keeps of them counts. Its log of stores and evictions is swapped for
+    a one-event log: that log is a ring of at most 65,536 events per namespace however many
+    chunks the pool holds, and `event_log_bytes` measures it.
     """
     import tracemalloc
 
@@ -300,28 +294,21 @@ def agent_index_bytes(policy: str, chunks: int) -> float:
     from kvtier.agent.index import HostIndex
     from kvtier.agent.policy import make_policy
 
-    headers = bytearray(chunks * KEY_BYTES)
-
-    def key_of(slot: int) -> tuple[str, bytes]:
-        return NS, bytes(headers[slot * KEY_BYTES : (slot + 1) * KEY_BYTES])
-
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    index = HostIndex(chunks, make_policy(policy, chunks), key_of=key_of)
+    index = HostIndex(chunks, make_policy(policy, chunks))
     index.events = ChunkEvents(per_namespace=1)
-    _fill(index, chunks, headers)
+    _fill(index, chunks)
     per_chunk = (tracemalloc.get_traced_memory()[0] - before) / chunks
     tracemalloc.stop()
     return per_chunk
 
 
-def _fill(index: HostIndex, chunks: int, headers: bytearray) -> None:
+def _fill(index: HostIndex, chunks: int) -> None:
     """Store and commit `chunks` new chunks, 1,024 a lease, keeping no key here."""
     for start in range(0, chunks, 1024):
         keys = [_index_key(i) for i in range(start, min(start + 1024, chunks))]
-        lease, slots, _ = index.allocate("bench", NS, keys, PAGE, float("inf"))
-        for slot, key in zip(slots, keys, strict=True):
-            headers[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] = key
+        lease, _, _ = index.allocate("bench", NS, keys, PAGE, float("inf"))
         index.commit(lease, "bench")
 
 
