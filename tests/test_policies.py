@@ -24,6 +24,21 @@ def test_lru_evicts_least_recent() -> None:
     assert lru.evict(always) is None
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=12), st.lists(st.integers(0, 5), max_size=12))
+def test_lru_inserts_a_batch_as_one_at_a_time(first: list[int], batch: list[int]) -> None:
+    """A committed store's chunks join the order at once, as they would one by one, slots
+    already in the order included (moved to the recent end)."""
+    one, many = LRUPolicy(6), LRUPolicy(6)
+    for policy in (one, many):
+        policy.on_inserts(first)
+    for slot in batch:
+        one.on_insert(slot)
+    many.on_inserts(batch)
+    assert len(one) == len(many)
+    assert [one.evict(always) for _ in range(7)] == [many.evict(always) for _ in range(7)]
+
+
 def test_eviction_skips_pinned() -> None:
     for policy in (LRUPolicy(3), ARCPolicy(3)):
         for slot in (0, 1, 2):

@@ -27,9 +27,9 @@ published table (1,000 keys a vLLM request is common), passes through here, so t
 paths are numpy operations over the whole batch rather than Python work per key:
 - A chunk is placed, in an open-addressing map of slot numbers (`_SlotMap`), under the
   64-bit digest the published table files it under (`shm_index.digests`, vectorised, where a
-  cryptographic digest costs half a microsecond a key). A batch probes the map together, one
-  position per round for the keys still probing; the map has four positions per slot, so
-  probes are short and the rounds few.
+  cryptographic digest costs half a microsecond a key). A batch probes the map together, a
+  window of positions per key in one gather; the map has four positions per slot or more,
+  so a probe almost always ends inside the first window.
 - The same map answers clients' reports by digest (`lookup_digests`): the digest is the
   one they looked up, so no second map is kept.
 - Identity is exact, so no chunk is ever taken for another ("never load wrong KV"): a
@@ -40,6 +40,14 @@ paths are numpy operations over the whole batch rather than Python work per key:
 - Columns are numpy arrays, read and written for the batch by slot numbers; only the map's
   positions and digests, walked one position at a time when a chunk is placed or removed,
   are `array`s seen by numpy through views of the same memory.
+- What stays per chunk is what has a chunk to act on: the policy's order (LRU relinks a
+  batch's hits in one loop, after the reply, at `touch`), the event log, publication in
+  the table and eviction. A policy that names chunks by key (ARC and prefix remember
+  chunks after they left) is also given a dict from key to slot, which LRU does without.
+
+The key field is most of a slot's bytes (41 of about 90, besides the map's 16 to 32 and
+LRU's 8): what makes identity exact, and names a chunk (events, evictions, stats) without
+reading the pool's slot header.
 """
 
 from __future__ import annotations
@@ -83,6 +91,10 @@ Confirm = Callable[[Slots, Slots], Mask]
 KEY_WIDTH = 40  # bytes of a key its slot keeps; a longer key keeps a digest of itself there
 _WORDS = KEY_WIDTH // 8
 _LONG = 0xFF  # the length a slot records for a key longer than KEY_WIDTH
+# Positions a batched find reads per key at once: at a quarter full a probe rarely runs
+# past four, so one gather answers almost every key; a small batch, whose cost is the
+# number of numpy calls rather than their length, reads eight.
+_WINDOW, _WIDE_WINDOW, _WIDE_UP_TO = np.arange(4), np.arange(8), 256
 # The states as plain ints, which numpy stores and compares without consulting the enum.
 _FREE, _WRITING, _READY = (state.value for state in EntryState)
 
@@ -128,8 +140,8 @@ class _SlotMap:
     number (4 bytes, four to eight positions per slot, so probes stay short), the digests
     live in a column of the index. Deletion shifts the rest of a cluster back (no
     tombstones), so probes stay short however much the chunks churn. A batch is found in
-    numpy rounds, one position each for the digests still probing; placing and removing one
-    slot walk its cluster in Python, over `array`s numpy sees through views."""
+    numpy gathers of a window of positions per digest; placing and removing one slot walk
+    its cluster in Python, over `array`s numpy sees through views."""
 
     def __init__(self, slots: int, hashes: array[int]) -> None:
         size = 1 << (4 * max(slots, 1) - 1).bit_length()  # at least four times the slots
@@ -140,20 +152,26 @@ class _SlotMap:
         self._hash_view = np.frombuffer(hashes, np.uint64)
 
     def find(self, hashes: npt.NDArray[np.uint64], confirm: Confirm) -> Slots:
-        """Per digest, the first slot placed under it that `confirm` accepts, else -1."""
+        """Per digest, the first slot placed under it that `confirm` accepts, else -1.
+
+        Every slot of a digest lies in the run of occupied positions from the digest's home
+        (a hole only ever follows a cluster, and removals close theirs), so a window's
+        matches need no check for a hole before them; a key is looked for in the next
+        window only while it found no hole."""
         found = np.full(len(hashes), -1, np.int64)
         rows: Slots = np.arange(len(hashes))
-        pos = (hashes & np.uint64(self._mask)).astype(np.int64)
+        start = (hashes & np.uint64(self._mask)).astype(np.int64)
+        steps = _WINDOW if len(hashes) > _WIDE_UP_TO else _WIDE_WINDOW
         at, held = self._at_view, self._hash_view
         while rows.size:
-            slots = at[pos].astype(np.int64)
-            going = slots >= 0
-            alike = np.flatnonzero(going & (held[slots] == hashes[rows]))
-            if alike.size:
-                ok = alike[confirm(slots[alike], rows[alike])]
-                found[rows[ok]] = slots[ok]
-                going[ok] = False
-            rows, pos = rows[going], (pos[going] + 1) & self._mask
+            slots = at[(start[:, None] + steps) & self._mask]
+            occupied = slots >= 0
+            row, col = np.nonzero(occupied & (held[slots] == hashes[rows, None]))
+            if row.size:
+                ok = confirm(slots[row, col].astype(np.int64), rows[row])
+                found[rows[row[ok]]] = slots[row[ok], col[ok]]
+            going = occupied.all(axis=1) & (found[rows] < 0)
+            rows, start = rows[going], start[going] + len(steps)
         return found
 
     def add(self, slot: int) -> None:
@@ -307,13 +325,7 @@ class HostIndex:
         """The namespace and key of the chunk in `slot`."""
         if self._state[slot] == _FREE:
             raise LookupError(f"slot {slot} holds no chunk")
-        length = int(self._key_length[slot])
-        if length == _LONG:
-            key = self._long[slot]
-        else:
-            start = slot * KEY_WIDTH
-            key = self._key_bytes[start : start + length].tobytes()
-        return self._names[int(self._namespace[slot])], key
+        return self._names[int(self._namespace[slot])], self._keys_at([slot])[0]
 
     def lookup(self, namespace: str, keys: list[bytes]) -> tuple[list[bool], int]:
         """Per-key hits and the length of the longest all-hit prefix.
@@ -457,15 +469,13 @@ class HostIndex:
         refuses (its slot was written over) is dropped before anyone can see it."""
         lease = self._take(lease_id, client, "store")
         self._pins[lease.slots] -= 1  # a store's slots are distinct
-        kept = []
-        for slot in lease.slots.tolist():
-            entry = Entry(self, slot)
-            if keep is not None and not keep(entry):
-                self._vacate(slot)
-                self._free.append(slot)
-                continue
-            self._make_ready(slot)
-            kept.append(entry)
+        kept = [Entry(self, slot) for slot in lease.slots.tolist()]
+        if keep is not None:
+            for entry in [e for e in kept if not keep(e)]:
+                self._vacate(entry.slot)
+                self._free.append(entry.slot)
+                kept.remove(entry)
+        self._make_ready(self._names[int(self._namespace[lease.slots[0]])], [e.slot for e in kept])
         return kept
 
     def begin_commit(self, lease_id: int, client: str) -> list[Entry]:
@@ -525,7 +535,7 @@ class HostIndex:
         self._pins[slot] = 0
         entry = Entry(self, slot)
         entry.checksum = header.checksum
-        self._make_ready(slot)
+        self._make_ready(header.namespace, [slot])
         return entry
 
     def remove(self, entry: Entry) -> None:
@@ -723,7 +733,7 @@ class HostIndex:
         for slot, row, digest in zip(slots.tolist(), rows.tolist(), hashes, strict=True):
             self._digests[slot] = digest
             self._chunks.add(slot)
-            if batch.lengths[row] == _LONG:
+            if batch.long and batch.lengths[row] == _LONG:
                 self._long[slot] = batch.keys[row]
             if not self._by_slot:
                 self._slot_by_key[name, batch.keys[row]] = slot
@@ -736,15 +746,31 @@ class HostIndex:
         self._long.pop(slot, None)
         self._state[slot] = _FREE
 
-    def _make_ready(self, slot: int) -> None:
-        namespace, key = chunk = self.key_at(slot)
-        self._state[slot] = _READY
-        self.policy.on_insert(slot if self._by_slot else chunk)
-        self.counters.namespaces[namespace] += 1
-        self.events.record(namespace, key, removed=False)
-        generation = int(self._generation[slot])
-        if self.table is not None and self.table.put(self._digests[slot], slot, generation):
-            self._published[slot] = 1
+    def _keys_at(self, slots: list[int]) -> list[bytes]:
+        """The key of the chunk in each of `slots`."""
+        held, long = self._key_bytes, self._long
+        return [
+            long[slot] if length == _LONG else held[slot * KEY_WIDTH :][:length].tobytes()
+            for slot, length in zip(slots, self._key_length[slots].tolist(), strict=True)
+        ]
+
+    def _make_ready(self, namespace: str, slots: list[int]) -> None:
+        """Make written chunks of `namespace` readable: ordered by the policy, logged,
+        published."""
+        if not slots:
+            return
+        keys = self._keys_at(slots)
+        self._state[slots] = _READY
+        self.policy.on_inserts(slots if self._by_slot else [(namespace, k) for k in keys])
+        self.counters.namespaces[namespace] += len(slots)
+        for key in keys:
+            self.events.record(namespace, key, removed=False)
+        if self.table is None:
+            return
+        put, published = self.table.put, self._published
+        for slot, generation in zip(slots, self._generation[slots].tolist(), strict=True):
+            if put(self._digests[slot], slot, generation):
+                published[slot] = 1
 
     def _forget(self, slot: int) -> None:
         """A ready chunk leaves the pool: withdrawn from the table before its slot can go to

@@ -233,7 +233,8 @@ def index_footprint_and_rate(entries: int, batch: int = 1024) -> dict[str, float
     """The published table and the agent's own index holding `entries` chunks: bytes per
     entry of each, and batched lookups per second (one thread) on the table, digests
     included, half the keys held. The agent's index is measured under each policy on a
-    tenth as many chunks (its bytes per chunk do not depend on how many there are), and
+    tenth as many chunks (its bytes per chunk do not depend on how many there are), its
+    batched lookups (by key, and by digest as clients report them) under the default, and
     its event log on its own."""
     from kvtier.agent.pool_layout import index_file_bytes
     from kvtier.agent.shm_index import TableReader, TableWriter, digests
@@ -271,6 +272,7 @@ def index_footprint_and_rate(entries: int, batch: int = 1024) -> dict[str, float
         "agent_index_bytes_per_entry_arc": agent["arc"],
         "agent_index_bytes_per_entry_prefix": agent["prefix"],
         "agent_event_log_bytes_per_event": event_log_bytes(min(sample, 65536)),
+        **agent_index_rates(sample, batch),
         "index_lookups_per_s": rate,
         "index_entries": entries,
     }
@@ -302,6 +304,41 @@ def agent_index_bytes(policy: str, chunks: int) -> float:
     per_chunk = (tracemalloc.get_traced_memory()[0] - before) / chunks
     tracemalloc.stop()
     return per_chunk
+
+
+def agent_index_rates(chunks: int, batch: int) -> dict[str, float]:
+    """Keys per second the agent's own index (LRU) answers holding `chunks` chunks, in
+    batches of `batch` keys, half of them held: looked up by key (requests over the socket)
+    and by digest (lookups clients answered from the published table and report)."""
+    from kvtier.agent.index import HostIndex
+    from kvtier.agent.policy import make_policy
+    from kvtier.agent.shm_index import TableWriter, digests
+
+    directory = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
+    try:
+        table = TableWriter(directory / "bench.pool.index", chunks, boot=1)
+        index = HostIndex(chunks, make_policy("lru", chunks), table=table)
+        _fill(index, chunks)
+        rounds = max(1, min(chunks // batch, 200))
+        queries = [
+            [_index_key((r * batch + i) % chunks) for i in range(batch // 2)]
+            + [_index_key(chunks + r * batch + i) for i in range(batch - batch // 2)]
+            for r in range(rounds)
+        ]
+        reported = [digests(NS, q).tolist() for q in queries]
+        by_key = _keys_per_s(lambda q: index.lookup(NS, q), queries)
+        by_digest = _keys_per_s(lambda d: index.lookup_digests(NS, d), reported)
+        table.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return {"agent_index_lookups_per_s": by_key, "agent_index_digest_lookups_per_s": by_digest}
+
+
+def _keys_per_s(ask: Callable[[Any], object], batches: list[Any]) -> float:
+    started = time.perf_counter()
+    for batch in batches:
+        ask(batch)
+    return sum(map(len, batches)) / (time.perf_counter() - started)
 
 
 def _fill(index: HostIndex, chunks: int) -> None:

@@ -33,6 +33,11 @@ class EvictionPolicy(ABC):
     def on_hit(self, chunk: ChunkId) -> None:
         """A resident chunk was asked for."""
 
+    def on_inserts(self, chunks: Sequence[ChunkId]) -> None:
+        """Several chunks became resident at once, in order (a committed store)."""
+        for chunk in chunks:
+            self.on_insert(chunk)
+
     def on_hits(self, chunks: Sequence[ChunkId]) -> None:
         """Several hits at once, in request order (a batched lookup)."""
         for chunk in chunks:

@@ -28,11 +28,15 @@ class LRUPolicy(EvictionPolicy):
         self._len = 0
 
     def on_insert(self, chunk: ChunkId) -> None:
-        slot = cast(int, chunk)
-        if self._prev[slot] < 0:  # a list of its own, which a move to the end joins to this
-            self._next[slot] = self._prev[slot] = slot
-            self._len += 1
-        self.on_hits((slot,))
+        self.on_inserts((chunk,))
+
+    def on_inserts(self, chunks: Sequence[ChunkId]) -> None:
+        following, preceding = self._next, self._prev
+        for slot in cast(Sequence[int], chunks):
+            if preceding[slot] < 0:  # a list of its own, which the move to the end joins
+                following[slot] = preceding[slot] = slot
+                self._len += 1
+        self.on_hits(chunks)
 
     def on_hit(self, chunk: ChunkId) -> None:
         self.on_hits((chunk,))
