@@ -57,7 +57,7 @@ import hashlib
 import itertools
 from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
@@ -300,7 +300,9 @@ class HostIndex:
         self._numbers: dict[str, int] = {}
         self._names: list[str] = []  # by number
         self._by_slot = policy.by_slot
-        # slot of each chunk, for a policy that names chunks by key
+        # For a policy that names chunks by key: each slot's name for it, the very tuple the
+        # policy keeps, and the slot of each name.
+        self._ids: list[ChunkKey | None] = [] if self._by_slot else [None] * slot_count
         self._slot_by_key: dict[ChunkKey, int] = {}
         self._free = array("i", range(slot_count - 1, -1, -1))
         self._leases: dict[int, Lease] = {}
@@ -368,7 +370,7 @@ class HostIndex:
         if not slots.size:
             return
         np.add.at(self._hits, slots, 1)
-        self.policy.on_hits([self._chunk_id(slot) for slot in slots.tolist()])
+        self.policy.on_hits(self._chunk_ids(slots.tolist()))
         self._touched.append(slots)
 
     def take_touched(self) -> list[Entry]:
@@ -696,7 +698,10 @@ class HostIndex:
 
     def _chunk_id(self, slot: int) -> ChunkId:
         """What the policy calls the chunk in `slot`."""
-        return slot if self._by_slot else self.key_at(slot)
+        return slot if self._by_slot else cast(ChunkKey, self._ids[slot])
+
+    def _chunk_ids(self, slots: list[int]) -> Sequence[ChunkId]:
+        return slots if self._by_slot else [self._ids[slot] for slot in slots]
 
     def _slot_of(self, chunk: ChunkId) -> int:
         """The slot of a chunk the policy names."""
@@ -736,12 +741,14 @@ class HostIndex:
             if batch.long and batch.lengths[row] == _LONG:
                 self._long[slot] = batch.keys[row]
             if not self._by_slot:
-                self._slot_by_key[name, batch.keys[row]] = slot
+                chunk = self._ids[slot] = (name, batch.keys[row])
+                self._slot_by_key[chunk] = slot
 
     def _vacate(self, slot: int) -> None:
         """Take a chunk out of its slot, which is free from then on."""
         if not self._by_slot:
-            del self._slot_by_key[self.key_at(slot)]
+            del self._slot_by_key[cast(ChunkKey, self._ids[slot])]
+            self._ids[slot] = None
         self._chunks.discard(slot)
         self._long.pop(slot, None)
         self._state[slot] = _FREE
@@ -761,7 +768,7 @@ class HostIndex:
             return
         keys = self._keys_at(slots)
         self._state[slots] = _READY
-        self.policy.on_inserts(slots if self._by_slot else [(namespace, k) for k in keys])
+        self.policy.on_inserts(self._chunk_ids(slots))
         self.counters.namespaces[namespace] += len(slots)
         for key in keys:
             self.events.record(namespace, key, removed=False)
