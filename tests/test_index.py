@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
-import pytest
+import shutil
+import tempfile
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from unittest import mock
 
-from kvtier.agent.index import HostIndex, LeaseError
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.agent.index import KEY_WIDTH, HostIndex, LeaseError, _SlotMap
 from kvtier.agent.policy import make_policy
 from kvtier.agent.protocol import StoreCode, Where
+from kvtier.agent.shm_index import TableWriter, digests
+from kvtier.bench.host import agent_index_bytes
 
 EXISTS, BUSY, FULL = StoreCode.EXISTS, StoreCode.BUSY, StoreCode.FULL
 MISS = Where.MISS
@@ -174,3 +188,139 @@ def test_slot_of_an_expired_store_rests_before_reuse() -> None:
     index.expire(now=16.0)
     assert index.resting_slots == 0
     assert store(index, b"e") == resting
+
+
+PLACES = (61, 62, 63, 0, 1)  # homes at the end of the 64-position map of 12 slots and past it
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 11), st.integers(0, 19)), max_size=120))
+def test_slot_map_finds_exactly_the_slots_placed(ops: list[tuple[bool, int, int]]) -> None:
+    """Hashes of a few homes, wrapping past the end of the map, build long colliding probe
+    chains; after any mix of adds and removes (which shift chains back) every placed slot
+    is found under its hash and tag in one batched find, and no other (hash, tag) finds
+    anything."""
+    hashes, tags = array("Q", [0]) * 12, np.zeros(12, np.uint64)
+    table = _SlotMap(12, hashes)
+    names = [
+        (variant << 6 | place, tag) for variant in range(2) for place in PLACES for tag in (0, 1)
+    ]
+    asked = np.array([h for h, _ in names], np.uint64)
+    asked_tags = np.array([tag for _, tag in names], np.uint64)
+    placed: dict[tuple[int, int], int] = {}
+    for add, slot, name in ops:
+        h, tag = names[name]
+        if add and slot not in placed.values() and (h, tag) not in placed:
+            hashes[slot], tags[slot] = h, tag
+            table.add(slot)
+            placed[h, tag] = slot
+        elif not add and slot in placed.values():
+            table.discard(slot)
+            del placed[hashes[slot], int(tags[slot])]
+        found = table.find(asked, lambda slots, rows: tags[slots] == asked_tags[rows])
+        assert found.tolist() == [placed.get(name, -1) for name in names]
+
+
+def _two_digests(namespace: str, keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
+    """Every key of every namespace under one of two digests: the map's probe chains
+    collide, and keys share a digest outright."""
+    return np.array([1 + len(key) % 2 for key in keys], np.uint64)
+
+
+def _one_long_field(key: bytes) -> bytes:
+    """Every key longer than the slot's field under one field: only the keys kept aside
+    tell them apart."""
+    return key.ljust(KEY_WIDTH, b"\0") if len(key) <= KEY_WIDTH else b"L" * KEY_WIDTH
+
+
+LONG = (b"a" * 41, b"b" * 41, b"a" * 300)
+KEYS = [
+    (namespace, key)
+    for namespace in ("ns", "other")
+    for key in (b"k1", b"k12", bytes(32), bytes(31) + b"\1", bytes(36), b"x" * 40, *LONG)
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["store", "hit", "remove"]), st.integers(0, 17))))
+def test_index_agrees_with_a_dict_under_colliding_digests(ops: list[tuple[str, int]]) -> None:
+    """LRU through the index against an ordered dict of keys, with every key under one of
+    two digests and every long key under one key field: stores, evictions, hits and
+    removals never lose a chunk, find one under another key or namespace, or evict another
+    than least recently used; lookups by key, by digest and key_at agree with the dict."""
+    index = HostIndex(4, make_policy("lru", 4))
+    model: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+    with (
+        mock.patch("kvtier.agent.index.digests", _two_digests),
+        mock.patch("kvtier.agent.index._field", _one_long_field),
+    ):
+        for op, i in ops:
+            namespace, key = chunk = KEYS[i]
+            if op == "store" and chunk not in model:
+                if len(model) == 4:
+                    model.popitem(last=False)
+                model[chunk] = None
+                lease, _, _ = index.allocate("c", namespace, [key], 10, FAR)
+                index.commit(lease, "c")
+            elif op == "hit" and chunk in model:
+                model.move_to_end(chunk)
+                index.lookup(namespace, [key])
+                index.touch()
+            elif op == "remove" and chunk in model:
+                del model[chunk]
+                entry = index.get(namespace, key)
+                assert entry is not None
+                index.remove(entry)
+            _agrees(index, model)
+
+
+def _agrees(index: HostIndex, model: OrderedDict[tuple[str, bytes], None]) -> None:
+    for namespace in ("ns", "other"):
+        keys = [key for ns, key in KEYS if ns == namespace]
+        assert index.missing(namespace, keys) == [k for k in keys if (namespace, k) not in model]
+    held = [index.get(namespace, key) for namespace, key in model]
+    assert [e.id for e in held if e is not None] == list(model)
+    assert len({e.slot for e in held if e is not None}) == len(model) == index.chunks
+
+
+def test_keys_longer_than_the_field_are_kept_whole() -> None:
+    """Keys past KEY_WIDTH (the protocol allows 1,024 bytes) are told apart and named in
+    full, however much they share."""
+    index = HostIndex(4, make_policy("lru", 4))
+    keys = [b"p" * 41, b"p" * 40 + b"q", b"p" * 1024, b"p" * 40]
+    store(index, *keys)
+    assert index.lookup("ns", [*keys, b"p" * 42]) == ([True] * 4 + [False], 4)
+    load, slots, _ = index.begin_load("c", "ns", keys, FAR)
+    assert [index.key_at(slot) for slot in slots] == [("ns", key) for key in keys]
+    index.end_load(load, "c")
+    assert index.ready_keys() == {"ns": set(keys)}
+    store(index, b"e")  # evicts the first
+    assert index.events.since("ns", 0).evicted == [keys[0]]
+
+
+def test_lookup_by_digest_finds_only_published_chunks_of_its_namespace() -> None:
+    """Clients report lookups they answered from the published table by digest: a hit is a
+    chunk published under that digest in that namespace, never one being written, one of
+    another namespace, or a chunk the table refused."""
+    directory = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        table = TableWriter(directory / "t.index", 4, boot=1)
+        index = HostIndex(4, make_policy("lru", 4), table=table)
+        store(index, b"a")
+        index.allocate("c", "ns", [b"w"], 10, FAR)
+        asked = digests("ns", [b"a", b"w", b"z"]).tolist()
+        assert index.lookup_digests("ns", asked) == [True, False, False]
+        assert index.lookup_digests("other", asked) == [False, False, False]
+        lease, _, _ = index.allocate("c", "other", [b"a"], 10, FAR)
+        index.commit(lease, "c")
+        assert index.lookup_digests("other", digests("other", [b"a"]).tolist()) == [True]
+        assert index.lookup_digests("ns", digests("other", [b"a"]).tolist()) == [False]
+        assert (index.counters.lookups, index.counters.hits) == (8, 2)
+        table.close()
+    finally:
+        shutil.rmtree(directory)
+
+
+def test_index_keeps_within_128_bytes_a_chunk() -> None:
+    """The agent's index (LRU), counting every object it keeps: the keys included."""
+    assert agent_index_bytes("lru", 4096) <= 128

@@ -14,22 +14,37 @@ def always(_chunk: object) -> bool:
 
 
 def test_lru_evicts_least_recent() -> None:
-    lru = LRUPolicy(3)
-    for k in "abc":
-        lru.on_insert(k)
-    lru.on_hit("a")
-    assert lru.evict(always) == "b"
-    assert lru.evict(always) == "c"
-    assert lru.evict(always) == "a"
+    lru = LRUPolicy(3)  # names chunks by slot
+    for slot in (0, 1, 2):
+        lru.on_insert(slot)
+    lru.on_hit(0)
+    assert lru.evict(always) == 1
+    assert lru.evict(always) == 2
+    assert lru.evict(always) == 0
     assert lru.evict(always) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=12), st.lists(st.integers(0, 5), max_size=12))
+def test_lru_inserts_a_batch_as_one_at_a_time(first: list[int], batch: list[int]) -> None:
+    """A committed store's chunks join the order at once, as they would one by one, slots
+    already in the order included (moved to the recent end)."""
+    one, many = LRUPolicy(6), LRUPolicy(6)
+    for policy in (one, many):
+        policy.on_inserts(first)
+    for slot in batch:
+        one.on_insert(slot)
+    many.on_inserts(batch)
+    assert len(one) == len(many)
+    assert [one.evict(always) for _ in range(7)] == [many.evict(always) for _ in range(7)]
 
 
 def test_eviction_skips_pinned() -> None:
     for policy in (LRUPolicy(3), ARCPolicy(3)):
-        for k in "abc":
-            policy.on_insert(k)
-        assert policy.evict(lambda c: c != "a") == "b"
-        assert policy.evict(lambda c: c == "zzz") is None
+        for slot in (0, 1, 2):
+            policy.on_insert(slot)
+        assert policy.evict(lambda c: c != 0) == 1
+        assert policy.evict(lambda c: c == 7) is None
         assert len(policy) == 2
 
 

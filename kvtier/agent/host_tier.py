@@ -150,10 +150,8 @@ class HostTier:
     ) -> list[ChunkHeader | None]:
         """The headers of the sealed chunks a load leased (slot >= 0); None for the others."""
         with self._lock:
-            entries = [
-                self._index.get(namespace, key) if slot >= 0 else None
-                for key, slot in zip(keys, slots, strict=True)
-            ]
+            held = self._index.entries(namespace, keys)
+            entries = [e if slot >= 0 else None for e, slot in zip(held, slots, strict=True)]
             return [
                 e.header() if e is not None and e.checksum is not None else None for e in entries
             ]
@@ -216,8 +214,8 @@ class HostTier:
                 self._index.note_parents(namespace, keys, parents)
             budget = len(self._staging_free)
             chosen = []
-            for i, key in enumerate(keys):
-                if self._index.get(namespace, key) is None:
+            for i, entry in enumerate(self._index.entries(namespace, keys)):
+                if entry is None:
                     if not budget:
                         continue
                     budget -= 1
@@ -415,7 +413,7 @@ class HostTier:
         """Check these chunks against their checksums again (a peer received one damaged)
         and drop those that fail, so no client is served them; returns how many went."""
         with self._lock:
-            held = [self._index.get(namespace, key) for key in keys]
+            held = self._index.entries(namespace, keys)
             sealed = [
                 (i, e) for i, e in enumerate(held) if e is not None and e.checksum is not None
             ]

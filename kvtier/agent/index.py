@@ -15,22 +15,60 @@ go to another chunk, so a table entry never names a slot being rewritten.
 The slot of a store lease that expired rests for `rest_seconds` before it is used again (and
 so do slots an earlier agent process had handed to writers, see `rest`): its writer may
 still be copying into it, and would otherwise alter the chunk the slot holds next.
+
+What the index knows of a chunk lives in per-slot columns, not in objects (a chunk being
+written or ready occupies exactly one slot): an object, dict entries and an ordering node
+cost about half a kilobyte a chunk, gigabytes of agent memory for a pool of millions of
+chunks, where the columns cost under 128 bytes a slot (`index_footprint_and_rate` in
+kvtier/bench/host.py measures it). An `Entry` is a view of one slot.
+
+Every lookup the agent answers, and every one a client reports having answered from the
+published table (1,000 keys a vLLM request is common), passes through here, so the batch
+paths are numpy operations over the whole batch rather than Python work per key:
+- A chunk is placed, in an open-addressing map of slot numbers (`_SlotMap`), under the
+  64-bit digest the published table files it under (`shm_index.digests`, vectorised, where a
+  cryptographic digest costs half a microsecond a key). A batch probes the map together, a
+  window of positions per key in one gather; the map has four positions per slot or more,
+  so a probe almost always ends inside the first window.
+- The same map answers clients' reports by digest (`lookup_digests`): the digest is the
+  one they looked up, so no second map is kept.
+- Identity is exact, so no chunk is ever taken for another ("never load wrong KV"): a
+  digest only says where to look. Each slot keeps its key in a fixed field of `KEY_WIDTH`
+  bytes with its length (vLLM's keys are 32-byte hashes, a few bytes more with a suffix),
+  compared for the whole batch at once; a longer key keeps a blake2b digest of itself in the
+  field and the key itself aside (`_long`), compared in full where the field matches.
+- Columns are numpy arrays, read and written for the batch by slot numbers; only the map's
+  positions and digests, walked one position at a time when a chunk is placed or removed,
+  are `array`s seen by numpy through views of the same memory.
+- What stays per chunk is what has a chunk to act on: the policy's order (LRU relinks a
+  batch's hits in one loop, after the reply, at `touch`), the event log, publication in
+  the table and eviction. A policy that names chunks by key (ARC and prefix remember
+  chunks after they left) is also given a dict from key to slot, which LRU does without.
+
+The key field is most of a slot's bytes (41 of about 90, besides the map's 16 to 32 and
+LRU's 8): what makes identity exact, and names a chunk (events, evictions, stats) without
+reading the pool's slot header.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
+from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, cast
+
+import numpy as np
+import numpy.typing as npt
 
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.events import ChunkEvents
 from kvtier.agent.policy import ChunkId, EvictionPolicy
 from kvtier.agent.protocol import StoreCode, Where
-from kvtier.agent.shm_index import TableWriter, digest
+from kvtier.agent.shm_index import TableWriter, digests
 
 
 class LeaseError(ValueError):
@@ -39,28 +77,173 @@ class LeaseError(ValueError):
 
 
 class EntryState(enum.IntEnum):
+    FREE = 0  # the slot holds no chunk
     WRITING = 1
     READY = 2
 
 
 ChunkKey = tuple[str, bytes]
+Slots = npt.NDArray[np.int64]
+Mask = npt.NDArray[np.bool_]
+# Given candidate slots and the rows of the batch they were found for, which are those rows'.
+Confirm = Callable[[Slots, Slots], Mask]
+
+KEY_WIDTH = 40  # bytes of a key its slot keeps; a longer key keeps a digest of itself there
+_WORDS = KEY_WIDTH // 8
+_LONG = 0xFF  # the length a slot records for a key longer than KEY_WIDTH
+# Positions a batched find reads per key at once: at a quarter full a probe rarely runs
+# past four, so one gather answers almost every key; a small batch, whose cost is the
+# number of numpy calls rather than their length, reads eight.
+_WINDOW, _WIDE_WINDOW, _WIDE_UP_TO = np.arange(4), np.arange(8), 256
+# The states as plain ints, which numpy stores and compares without consulting the enum.
+_FREE, _WRITING, _READY = (state.value for state in EntryState)
 
 
-@dataclass(eq=False)
+def _field(key: bytes) -> bytes:
+    """What a slot's key field holds for `key`: the key, or a digest of a longer one."""
+    if len(key) > KEY_WIDTH:
+        key = hashlib.blake2b(key, digest_size=KEY_WIDTH).digest()
+    return key.ljust(KEY_WIDTH, b"\0")
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Keys of one namespace as the index compares them: their digests (where the map
+    places them), key fields as words and recorded lengths, one row per key."""
+
+    number: int  # the namespace's
+    keys: list[bytes]
+    hashes: npt.NDArray[np.uint64]
+    words: npt.NDArray[np.uint64]  # (keys, KEY_WIDTH / 8)
+    lengths: npt.NDArray[np.uint8]
+    long: bool  # some key is longer than KEY_WIDTH
+
+    @classmethod
+    def of(cls, number: int, namespace: str, keys: list[bytes]) -> _Batch:
+        n = len(keys)
+        sizes = set(map(len, keys))
+        if len(sizes) == 1 and 0 < (size := next(iter(sizes))) <= KEY_WIDTH:
+            # the usual batch (short keys of one length): no copy per key
+            raw = np.zeros((n, KEY_WIDTH), np.uint8)
+            raw[:, :size] = np.frombuffer(b"".join(keys), np.uint8).reshape(n, size)
+            lengths: npt.NDArray[np.uint8] = np.full(n, size, np.uint8)
+        else:
+            raw = np.frombuffer(b"".join(map(_field, keys)), np.uint8).reshape(n, KEY_WIDTH)
+            lengths = np.array([len(k) if len(k) <= KEY_WIDTH else _LONG for k in keys], np.uint8)
+        hashes = digests(namespace, keys) if n else np.empty(0, np.uint64)
+        words = raw.view(np.uint64).reshape(n, _WORDS)
+        return cls(number, keys, hashes, words, lengths, max(sizes, default=0) > KEY_WIDTH)
+
+
+class _SlotMap:
+    """Open addressing from a slot's 64-bit digest to the slot: a position holds only a slot
+    number (4 bytes, four to eight positions per slot, so probes stay short), the digests
+    live in a column of the index. Deletion shifts the rest of a cluster back (no
+    tombstones), so probes stay short however much the chunks churn. A batch is found in
+    numpy gathers of a window of positions per digest; placing and removing one slot walk
+    its cluster in Python, over `array`s numpy sees through views."""
+
+    def __init__(self, slots: int, hashes: array[int]) -> None:
+        size = 1 << (4 * max(slots, 1) - 1).bit_length()  # at least four times the slots
+        self._mask = size - 1
+        self._at = array("i", [-1]) * size
+        self._hashes = hashes
+        self._at_view = np.frombuffer(self._at, np.int32)
+        self._hash_view = np.frombuffer(hashes, np.uint64)
+
+    def find(self, hashes: npt.NDArray[np.uint64], confirm: Confirm) -> Slots:
+        """Per digest, the first slot placed under it that `confirm` accepts, else -1.
+
+        Every slot of a digest lies in the run of occupied positions from the digest's home
+        (a hole only ever follows a cluster, and removals close theirs), so a window's
+        matches need no check for a hole before them; a key is looked for in the next
+        window only while it found no hole."""
+        found = np.full(len(hashes), -1, np.int64)
+        rows: Slots = np.arange(len(hashes))
+        start = (hashes & np.uint64(self._mask)).astype(np.int64)
+        steps = _WINDOW if len(hashes) > _WIDE_UP_TO else _WIDE_WINDOW
+        at, held = self._at_view, self._hash_view
+        while rows.size:
+            slots = at[(start[:, None] + steps) & self._mask]
+            occupied = slots >= 0
+            row, col = np.nonzero(occupied & (held[slots] == hashes[rows, None]))
+            if row.size:
+                ok = confirm(slots[row, col].astype(np.int64), rows[row])
+                found[rows[row[ok]]] = slots[row[ok], col[ok]]
+            going = occupied.all(axis=1) & (found[rows] < 0)
+            rows, start = rows[going], start[going] + len(steps)
+        return found
+
+    def add(self, slot: int) -> None:
+        """Place `slot` under the digest its column holds."""
+        at, mask = self._at, self._mask
+        pos = self._hashes[slot] & mask
+        while at[pos] >= 0:
+            pos = (pos + 1) & mask
+        at[pos] = slot
+
+    def discard(self, slot: int) -> None:
+        """Take `slot` out (its column still holding the digest it was placed under), moving
+        each later member of its cluster into the hole unless its home lies after the hole."""
+        at, hashes, mask = self._at, self._hashes, self._mask
+        hole = hashes[slot] & mask
+        while (held := at[hole]) != slot:
+            if held < 0:
+                raise KeyError(f"slot {slot} is not in the map")
+            hole = (hole + 1) & mask
+        pos = (hole + 1) & mask
+        while (moved := at[pos]) >= 0:
+            if (pos - (hashes[moved] & mask)) & mask >= (pos - hole) & mask:
+                at[hole] = moved
+                hole = pos
+            pos = (pos + 1) & mask
+        at[hole] = -1
+
+
 class Entry:
-    id: ChunkKey
-    slot: int
-    length: int
-    state: EntryState = EntryState.WRITING
-    pins: int = 0
-    hits: int = 0
-    checksum: int | None = None  # set once sealed: the bytes are complete and verified
-    generation: int = 0  # the slot's stamp while it holds this chunk
-    published: int = 0  # its digest in the shared table, 0 while not published there
+    """The chunk in one slot, read from the index's columns. Entries are used only while
+    their chunk holds the slot (pinned, or within one call under the agent's lock): a view
+    does not notice its slot going to another chunk."""
+
+    __slots__ = ("_index", "generation", "slot")
+
+    def __init__(self, index: HostIndex, slot: int) -> None:
+        self._index = index
+        self.slot = slot
+        self.generation = int(index._generation[slot])  # the slot's stamp for this chunk
+
+    @property
+    def id(self) -> ChunkKey:
+        return self._index.key_at(self.slot)
+
+    @property
+    def hits(self) -> int:
+        return int(self._index._hits[self.slot])
+
+    @property
+    def length(self) -> int:
+        return int(self._index._length[self.slot])
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._index._length[self.slot] = value
+
+    @property
+    def checksum(self) -> int | None:
+        """Set once sealed: the bytes are complete and verified."""
+        index = self._index
+        return int(index._checksum[self.slot]) if index._sealed[self.slot] else None
+
+    @checksum.setter
+    def checksum(self, value: int) -> None:
+        self._index._checksum[self.slot] = value
+        self._index._sealed[self.slot] = 1
 
     def header(self) -> ChunkHeader:
-        assert self.checksum is not None, "only a sealed chunk has a full header"
-        return ChunkHeader(self.id[0], self.id[1], self.length, self.checksum)
+        checksum = self.checksum
+        assert checksum is not None, "only a sealed chunk has a full header"
+        namespace, key = self.id
+        return ChunkHeader(namespace, key, self.length, checksum)
 
 
 @dataclass(eq=False)
@@ -68,7 +251,7 @@ class Lease:
     id: int
     client: str
     kind: Literal["store", "load"]
-    entries: list[Entry]
+    slots: Slots  # one per chunk held (a slot twice where a load named a key twice)
     deadline: float
     committing: bool = False  # the agent is copying its chunks in: never expired meanwhile
 
@@ -98,23 +281,53 @@ class HostIndex:
         self.policy = policy
         self.rest_seconds = rest_seconds
         self._resting: list[tuple[float, int]] = []  # (until, slot)
-        self._by_ns: dict[str, dict[bytes, Entry]] = {}
-        # The READY subset of _by_ns, so a lookup is one membership test per key.
-        self._ready: dict[str, dict[bytes, Entry]] = {}
-        self._free = list(range(slot_count - 1, -1, -1))
+        # Per slot, meaningful while its state is not FREE.
+        self._state = np.zeros(slot_count, np.uint8)
+        self._namespace = np.zeros(slot_count, np.uint32)  # its namespace's number
+        self._key = np.zeros((slot_count, _WORDS), np.uint64)  # its key field (`_field`)
+        self._key_bytes = self._key.data.cast("B")
+        self._key_length = np.zeros(slot_count, np.uint8)  # _LONG: see `_long`
+        self._pins = np.zeros(slot_count, np.int32)
+        self._hits = np.zeros(slot_count, np.uint32)  # wraps after 2^32 hits of one chunk
+        self._length = np.zeros(slot_count, np.uint64)
+        self._checksum = np.zeros(slot_count, np.uint64)
+        self._sealed = np.zeros(slot_count, np.uint8)
+        self._published = np.zeros(slot_count, np.uint8)  # in the table under its digest
+        self._generation = np.zeros(slot_count, np.uint64)
+        self._digests = array("Q", [0]) * slot_count  # its `shm_index.digest`
+        self._chunks = _SlotMap(slot_count, self._digests)
+        self._long: dict[int, bytes] = {}  # slot -> a key longer than KEY_WIDTH
+        self._numbers: dict[str, int] = {}
+        self._names: list[str] = []  # by number
+        self._by_slot = policy.by_slot
+        # For a policy that names chunks by key: each slot's name for it, the very tuple the
+        # policy keeps, and the slot of each name.
+        self._ids: list[ChunkKey | None] = [] if self._by_slot else [None] * slot_count
+        self._slot_by_key: dict[ChunkKey, int] = {}
+        self._free = array("i", range(slot_count - 1, -1, -1))
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count((boot << 32) + 1)
-        self._generations = itertools.count((boot << 32) + 1)
-        self._pending_hits: list[tuple[str, list[bytes], list[bool]]] = []
-        self._published: dict[int, Entry] = {}  # digest -> entry, for reported lookups
-        self._touched: list[Entry] = []
+        self._next_generation = (boot << 32) + 1
+        self._pending_hits: list[tuple[Slots, npt.NDArray[np.uint64]]] = []  # slots, stamps
+        self._touched: list[Slots] = []
         self.counters = IndexCounters()
         self.events = ChunkEvents()
 
     # --- queries -------------------------------------------------------------------------
 
     def get(self, namespace: str, key: bytes) -> Entry | None:
-        return self._by_ns.get(namespace, {}).get(key)
+        return self.entries(namespace, [key])[0]
+
+    def entries(self, namespace: str, keys: list[bytes]) -> list[Entry | None]:
+        """`get` for many keys in one pass."""
+        slots = self._slots(namespace, keys).tolist()
+        return [Entry(self, slot) if slot >= 0 else None for slot in slots]
+
+    def key_at(self, slot: int) -> ChunkKey:
+        """The namespace and key of the chunk in `slot`."""
+        if self._state[slot] == _FREE:
+            raise LookupError(f"slot {slot} holds no chunk")
+        return self._names[int(self._namespace[slot])], self._keys_at([slot])[0]
 
     def lookup(self, namespace: str, keys: list[bytes]) -> tuple[list[bool], int]:
         """Per-key hits and the length of the longest all-hit prefix.
@@ -122,51 +335,64 @@ class HostIndex:
         The policy learns of the hits only at `touch`, which the agent calls after it has
         answered, so the eviction order's upkeep stays out of the lookup's latency.
         """
-        ready = self._ready.get(namespace, {})
-        hits = [k in ready for k in keys]
-        n_hits = sum(hits)
-        if n_hits:
-            self._pending_hits.append((namespace, keys, hits))
-        self.counters.lookups += len(keys)
-        self.counters.hits += n_hits
-        return hits, hits.index(False) if n_hits < len(keys) else len(keys)
+        hits = self._count_lookup(self._ready_slots(namespace, keys))
+        misses = np.flatnonzero(~hits)
+        return hits.tolist(), int(misses[0]) if misses.size else len(keys)
 
     def lookup_digests(self, namespace: str, digests: list[int]) -> list[bool]:
         """`lookup` by index digests (what clients report of the lookups they answered
         from the published table): the hits are the chunks published under them now."""
-        found = [self._published.get(d) for d in digests]
-        hits = [e is not None and e.id[0] == namespace for e in found]
-        n_hits = sum(hits)
-        if n_hits:
-            keys = [e.id[1] for e, hit in zip(found, hits, strict=True) if hit and e is not None]
-            self._pending_hits.append((namespace, keys, [True] * len(keys)))
-        self.counters.lookups += len(digests)
-        self.counters.hits += n_hits
+        number = self._numbers.get(namespace)
+
+        def published(slots: Slots, rows: Slots) -> Mask:
+            alike: Mask = (self._namespace[slots] == number) & (self._published[slots] == 1)
+            return alike
+
+        found = (
+            np.full(len(digests), -1, np.int64)
+            if number is None
+            else self._chunks.find(np.array(digests, np.uint64), published)
+        )
+        hits: list[bool] = self._count_lookup(found).tolist()
         return hits
 
     def touch(self) -> None:
         """Tell the policy about the hits of lookups answered since the last call and raise
-        the entries' hit counts; the entries wait in `touched` for `take_touched`."""
-        for namespace, keys, hits in self._pending_hits:
-            ready = self._ready.get(namespace, {})
-            entries = [e for k, hit in zip(keys, hits, strict=True) if hit and (e := ready.get(k))]
-            for entry in entries:
-                entry.hits += 1
-            self.policy.on_hits([e.id for e in entries])
-            self._touched += entries
+        the chunks' hit counts; the slots wait for `take_touched`. A hit whose chunk left its
+        slot meanwhile is dropped (the generation tells)."""
+        if not self._pending_hits:
+            return
+        slots = np.concatenate([slots for slots, _ in self._pending_hits])
+        stamps = np.concatenate([stamps for _, stamps in self._pending_hits])
         self._pending_hits.clear()
+        held = (self._state[slots] == _READY) & (self._generation[slots] == stamps)
+        slots = slots[held]
+        if not slots.size:
+            return
+        np.add.at(self._hits, slots, 1)
+        self.policy.on_hits(self._chunk_ids(slots.tolist()))
+        self._touched.append(slots)
 
     def take_touched(self) -> list[Entry]:
         """Entries hit since the last call (once per hit), whether `touch` ran after a reply
         or before an eviction needed the current order."""
         self.touch()
-        touched, self._touched = self._touched, []
+        touched = [Entry(self, slot) for slots in self._touched for slot in slots.tolist()]
+        self._touched.clear()
         return touched
 
     def missing(self, namespace: str, keys: list[bytes]) -> list[bytes]:
         """Keys not readable from the pool, without counting a lookup."""
-        ready = self._ready.get(namespace, {})
-        return [k for k in keys if k not in ready]
+        slots = self._ready_slots(namespace, keys).tolist()
+        return [key for key, slot in zip(keys, slots, strict=True) if slot < 0]
+
+    def ready_keys(self) -> dict[str, set[bytes]]:
+        """Every sealed chunk's key, by namespace."""
+        held: dict[str, set[bytes]] = {}
+        for slot in np.flatnonzero(self._state == _READY).tolist():
+            namespace, key = self.key_at(slot)
+            held.setdefault(namespace, set()).add(key)
+        return held
 
     @property
     def chunks(self) -> int:
@@ -185,7 +411,7 @@ class HostIndex:
         return len(self._leases)
 
     def pinned_slots(self) -> int:
-        return sum(1 for t in self._by_ns.values() for e in t.values() if e.pins)
+        return int(np.count_nonzero(self._pins))
 
     # --- store ---------------------------------------------------------------------------
 
@@ -207,57 +433,34 @@ class HostIndex:
         """
         if parents is not None:
             self.note_parents(namespace, keys, parents)
-        table = self._by_ns.setdefault(namespace, {})
-        slots: list[int] = []
-        generations: list[int] = []
-        entries: list[Entry] = []
-        for key in keys:
-            existing = table.get(key)
-            slot = None if existing is not None else self._take_slot((namespace, key))
-            if slot is None:
-                if existing is not None:
-                    slots.append(
-                        StoreCode.EXISTS if existing.state is EntryState.READY else StoreCode.BUSY
-                    )
-                else:
-                    self.counters.full += 1
-                    slots.append(StoreCode.FULL)
-                generations.append(0)
-                continue
-            entry = Entry(
-                id=(namespace, key),
-                slot=slot,
-                length=length,
-                pins=1,
-                generation=next(self._generations),
-            )
-            table[key] = entry
-            entries.append(entry)
-            slots.append(slot)
-            generations.append(entry.generation)
-        if not table:
-            del self._by_ns[namespace]
-        if not entries:
-            return 0, slots, generations
-        return self._new_lease(client, "store", entries, deadline), slots, generations
-
-    def ready_keys(self) -> dict[str, set[bytes]]:
-        """Every sealed chunk's key, by namespace."""
-        return {ns: set(entries) for ns, entries in self._ready.items() if entries}
+        batch = _Batch.of(self._number(namespace), namespace, keys)
+        slots = self._place(batch, self._find(batch).tolist())
+        granted = [i for i, slot in enumerate(slots) if slot >= 0]
+        if not granted:
+            return 0, slots, [0] * len(keys)
+        rows = np.array(granted, np.int64)
+        taken = np.array([slots[i] for i in granted], np.int64)
+        self._hold(taken, batch, rows, self._next_generation, length)
+        self._next_generation += len(granted)
+        generations = [0] * len(keys)
+        for i, generation in zip(granted, self._generation[taken].tolist(), strict=True):
+            generations[i] = generation
+        return self._new_lease(client, "store", taken, deadline), slots, generations
 
     def note_parents(self, namespace: str, keys: list[bytes], parents: list[bytes | None]) -> None:
         """Tell the policy each key's predecessor in its request (None where the store did
-        not name one), for the keys not held yet: what a store is about to add."""
+        not name one), for the keys not held yet: what a store is about to add. A policy that
+        names chunks by slot is not told: a parent need not be in the pool."""
         if len(parents) != len(keys):
             raise ValueError(f"{len(parents)} parents for {len(keys)} keys")
-        if all(p is None for p in parents):
+        if self._by_slot or all(p is None for p in parents):
             return
-        held = self._by_ns.get(namespace, {})
+        slots = self._slots(namespace, keys).tolist()
         self.policy.on_parents(
             [
                 ((namespace, key), None if parent is None else (namespace, parent))
-                for key, parent in zip(keys, parents, strict=True)
-                if key not in held
+                for key, parent, slot in zip(keys, parents, slots, strict=True)
+                if slot < 0
             ]
         )
 
@@ -267,16 +470,14 @@ class HostIndex:
         """Make a store lease's chunks readable; returns them for sealing. A chunk `keep`
         refuses (its slot was written over) is dropped before anyone can see it."""
         lease = self._take(lease_id, client, "store")
-        kept = []
-        for entry in lease.entries:
-            entry.pins -= 1
-            if keep is not None and not keep(entry):
-                self._by_ns[entry.id[0]].pop(entry.id[1], None)
+        self._pins[lease.slots] -= 1  # a store's slots are distinct
+        kept = [Entry(self, slot) for slot in lease.slots.tolist()]
+        if keep is not None:
+            for entry in [e for e in kept if not keep(e)]:
+                self._vacate(entry.slot)
                 self._free.append(entry.slot)
-                continue
-            entry.state = EntryState.READY
-            self._make_ready(entry)
-            kept.append(entry)
+                kept.remove(entry)
+        self._make_ready(self._names[int(self._namespace[lease.slots[0]])], [e.slot for e in kept])
         return kept
 
     def begin_commit(self, lease_id: int, client: str) -> list[Entry]:
@@ -290,7 +491,7 @@ class HostIndex:
         if lease.kind != "store":
             raise ValueError(f"lease {lease_id} is a {lease.kind} lease, not a store lease")
         lease.committing = True
-        return list(lease.entries)
+        return [Entry(self, slot) for slot in lease.slots.tolist()]
 
     def abort(self, lease_id: int, client: str) -> None:
         self._release(self._take(lease_id, client, "store"))
@@ -302,27 +503,19 @@ class HostIndex:
     ) -> tuple[int, list[int], list[int]]:
         """Pin the ready chunks among `keys` for reading; MISS for the others. Returns the
         lease, the slots and each granted slot's generation (0 for a miss)."""
-        ready = self._ready.get(namespace, {})
-        slots: list[int] = []
-        generations: list[int] = []
-        entries: list[Entry] = []
-        for key in keys:
-            entry = ready.get(key)
-            if entry is None:
-                slots.append(Where.MISS)
-                generations.append(0)
-                continue
-            entry.pins += 1
-            entries.append(entry)
-            slots.append(entry.slot)
-            generations.append(entry.generation)
-        if not entries:
-            return 0, slots, generations
-        return self._new_lease(client, "load", entries, deadline), slots, generations
+        slots = self._ready_slots(namespace, keys)
+        hit = slots >= 0
+        pinned = slots[hit]
+        generations = np.where(hit, self._generation[slots], 0)
+        listed = np.where(hit, slots, int(Where.MISS)).tolist()
+        if not pinned.size:
+            return 0, listed, generations.tolist()
+        np.add.at(self._pins, pinned, 1)
+        return self._new_lease(client, "load", pinned, deadline), listed, generations.tolist()
 
     def lease_bytes(self, lease_id: int) -> int:
         lease = self._leases.get(lease_id)
-        return sum(e.length for e in lease.entries) if lease else 0
+        return int(self._length[lease.slots].sum()) if lease else 0
 
     def end_load(self, lease_id: int, client: str) -> None:
         self._release(self._take(lease_id, client, "load"))
@@ -330,35 +523,31 @@ class HostIndex:
     # --- maintenance ---------------------------------------------------------------------
 
     def pin(self, entry: Entry) -> None:
-        entry.pins += 1
+        self._pins[entry.slot] += 1
 
     def unpin(self, entry: Entry) -> None:
-        entry.pins -= 1
+        self._pins[entry.slot] -= 1
 
     def adopt(self, header: ChunkHeader, slot: int, generation: int) -> Entry:
         """Index a verified chunk found in the pool after a restart, keeping its slot's
         generation (readers of the earlier agent process may still be copying it)."""
         self._free.remove(slot)
-        namespace, key = header.namespace, header.key
-        entry = Entry(
-            id=(namespace, key),
-            slot=slot,
-            length=header.length,
-            state=EntryState.READY,
-            checksum=header.checksum,
-            generation=generation,
-        )
-        self._by_ns.setdefault(namespace, {})[key] = entry
-        self._make_ready(entry)
+        batch = _Batch.of(self._number(header.namespace), header.namespace, [header.key])
+        self._hold(np.array([slot]), batch, np.zeros(1, np.int64), generation, header.length)
+        self._pins[slot] = 0
+        entry = Entry(self, slot)
+        entry.checksum = header.checksum
+        self._make_ready(header.namespace, [slot])
         return entry
 
     def remove(self, entry: Entry) -> None:
         """Drop a ready, unpinned chunk (it failed verification, or was deleted)."""
-        if entry.pins or entry.state is not EntryState.READY:
+        slot = entry.slot
+        if self._pins[slot] or self._state[slot] != _READY:
             return
-        self.policy.on_remove(entry.id)
-        self._forget(entry)
-        self._free.append(entry.slot)
+        self.policy.on_remove(self._chunk_id(slot))
+        self._forget(slot)
+        self._free.append(slot)
 
     def rest(self, slot: int, until: float) -> None:
         """Keep a free slot out of use until `until`: a writer may still copy into it."""
@@ -378,7 +567,7 @@ class HostIndex:
             self._release(lease, rest_until=now + self.rest_seconds)
         self.counters.leases_expired += len(expired)
         if self._resting:
-            self._free += [slot for until, slot in self._resting if until <= now]
+            self._free.extend(slot for until, slot in self._resting if until <= now)
             self._resting = [(until, slot) for until, slot in self._resting if until > now]
         return expired
 
@@ -415,63 +604,191 @@ class HostIndex:
         return lease
 
     def _new_lease(
-        self, client: str, kind: Literal["store", "load"], entries: list[Entry], deadline: float
+        self, client: str, kind: Literal["store", "load"], slots: Slots, deadline: float
     ) -> int:
-        lease = Lease(next(self._lease_ids), client, kind, entries, deadline)
+        lease = Lease(next(self._lease_ids), client, kind, slots, deadline)
         self._leases[lease.id] = lease
         return lease.id
 
     def _release(self, lease: Lease, rest_until: float | None = None) -> None:
         """End a lease. An unfinished write is worthless: its slot goes back, to rest until
         `rest_until` when its writer may still be copying (the lease expired)."""
-        for entry in lease.entries:
-            entry.pins -= 1
-            if lease.kind == "store":
-                self._by_ns[entry.id[0]].pop(entry.id[1], None)
-                if rest_until is None:
-                    self._free.append(entry.slot)
-                else:
-                    self._resting.append((rest_until, entry.slot))
+        np.subtract.at(self._pins, lease.slots, 1)
+        if lease.kind == "load":
+            return
+        for slot in lease.slots.tolist():
+            self._vacate(slot)
+            if rest_until is None:
+                self._free.append(slot)
+            else:
+                self._resting.append((rest_until, slot))
+
+    def _number(self, namespace: str) -> int:
+        """The namespace's number, given it on first sight."""
+        number = self._numbers.get(namespace)
+        if number is None:
+            number = self._numbers[namespace] = len(self._names)
+            self._names.append(namespace)
+        return number
+
+    def _slots(self, namespace: str, keys: list[bytes]) -> Slots:
+        """Each key's slot (its chunk ready or being written), else -1."""
+        number = self._numbers.get(namespace)
+        if number is None:
+            return np.full(len(keys), -1, np.int64)
+        return self._find(_Batch.of(number, namespace, keys))
+
+    def _ready_slots(self, namespace: str, keys: list[bytes]) -> Slots:
+        """Each key's slot where its chunk is ready to read, else -1."""
+        slots = self._slots(namespace, keys)
+        return np.where(self._state[slots] == _READY, slots, -1)
+
+    def _find(self, batch: _Batch) -> Slots:
+        """Each key's slot, else -1: the map's candidates, confirmed by namespace and key."""
+
+        def same(slots: Slots, rows: Slots) -> Mask:
+            alike: Mask = (
+                (self._namespace[slots] == batch.number)
+                & (self._key_length[slots] == batch.lengths[rows])
+                & (self._key[slots] == batch.words[rows]).all(axis=1)
+            )
+            if batch.long:  # a digest in the field: the keys themselves decide
+                for i in np.flatnonzero(alike & (batch.lengths[rows] == _LONG)).tolist():
+                    alike[i] = self._long[int(slots[i])] == batch.keys[int(rows[i])]
+            return alike
+
+        return self._chunks.find(batch.hashes, same)
+
+    def _place(self, batch: _Batch, held: list[int]) -> list[int]:
+        """A slot for each key of a store not held (`held`: where each key was before the
+        store), else its code: EXISTS, BUSY (being written, by this store too) or FULL. A
+        chunk evicted for an earlier key of the batch counts as not held."""
+        state, name = self._state, self._names[batch.number]
+        placed: dict[bytes, int] = {}
+        given: set[int] = set()  # a key found in one of these was evicted for this store
+        out: list[int] = []
+        for key, slot in zip(batch.keys, held, strict=True):
+            if slot in given:
+                slot = -1
+            if slot < 0 and key in placed:
+                slot = placed[key]
+            if slot >= 0:
+                out.append(StoreCode.EXISTS if state[slot] == _READY else StoreCode.BUSY)
+                continue
+            got = self._free.pop() if self._free else self._evict((name, key))
+            if got is None:
+                self.counters.full += 1
+                out.append(StoreCode.FULL)
+                continue
+            given.add(got)
+            placed[key] = got
+            out.append(got)
+        return out
+
+    def _count_lookup(self, slots: Slots) -> Mask:
+        """Count a lookup that found the chunks in `slots` (-1: a miss) and keep its hits
+        for `touch`."""
+        hits: Mask = slots >= 0
+        found = slots[hits]
+        if found.size:
+            self._pending_hits.append((found, self._generation[found]))
+        self.counters.lookups += len(slots)
+        self.counters.hits += int(found.size)
+        return hits
+
+    def _chunk_id(self, slot: int) -> ChunkId:
+        """What the policy calls the chunk in `slot`."""
+        return slot if self._by_slot else cast(ChunkKey, self._ids[slot])
+
+    def _chunk_ids(self, slots: list[int]) -> Sequence[ChunkId]:
+        return slots if self._by_slot else [self._ids[slot] for slot in slots]
+
+    def _slot_of(self, chunk: ChunkId) -> int:
+        """The slot of a chunk the policy names."""
+        return cast(int, chunk) if self._by_slot else self._slot_by_key[cast(ChunkKey, chunk)]
 
     def _evictable(self, chunk: ChunkId) -> bool:
-        ns, key = cast(ChunkKey, chunk)
-        return self._by_ns[ns][key].pins == 0
+        return not self._pins[self._slot_of(chunk)]
 
-    def _take_slot(self, incoming: ChunkKey) -> int | None:
-        if self._free:
-            return self._free.pop()
+    def _evict(self, incoming: ChunkKey) -> int | None:
+        """Free a slot for `incoming` by evicting the chunk the policy chooses."""
         if self._pending_hits:
             self.touch()
-        victim = self.policy.evict(self._evictable, incoming)
+        victim = self.policy.evict(self._evictable, None if self._by_slot else incoming)
         if victim is None:
             return None
-        ns, key = cast(ChunkKey, victim)
-        entry = self._by_ns[ns][key]
-        self._forget(entry)
+        slot = self._slot_of(victim)
+        self._forget(slot)
         self.counters.evictions += 1
-        return entry.slot
+        return slot
 
-    def _make_ready(self, entry: Entry) -> None:
-        ns, key = entry.id
-        self._ready.setdefault(ns, {})[key] = entry
-        self.policy.on_insert(entry.id)
-        self.counters.namespaces[ns] += 1
-        self.events.record(ns, key, removed=False)
-        if self.table is not None:
-            d = digest(ns, key)
-            if self.table.put(d, entry.slot, entry.generation):
-                entry.published = d
-                self._published[d] = entry
+    def _hold(self, slots: Slots, batch: _Batch, rows: Slots, first: int, length: int) -> None:
+        """Give free slots to the batch's keys in `rows`, to be written: generations from
+        `first` on, pinned by the store."""
+        self._state[slots] = _WRITING
+        self._namespace[slots] = batch.number
+        self._key[slots] = batch.words[rows]
+        self._key_length[slots] = batch.lengths[rows]
+        self._generation[slots] = np.arange(first, first + len(slots), dtype=np.uint64)
+        self._length[slots] = length
+        self._pins[slots] = 1
+        self._hits[slots] = self._sealed[slots] = self._published[slots] = 0
+        hashes = batch.hashes[rows].tolist()
+        name = self._names[batch.number]
+        for slot, row, digest in zip(slots.tolist(), rows.tolist(), hashes, strict=True):
+            self._digests[slot] = digest
+            self._chunks.add(slot)
+            if batch.long and batch.lengths[row] == _LONG:
+                self._long[slot] = batch.keys[row]
+            if not self._by_slot:
+                chunk = self._ids[slot] = (name, batch.keys[row])
+                self._slot_by_key[chunk] = slot
 
-    def _forget(self, entry: Entry) -> None:
-        ns, key = entry.id
-        if entry.published and self.table is not None:
-            self.table.remove(entry.published)
-            del self._published[entry.published]
-            entry.published = 0
-        del self._by_ns[ns][key]
-        del self._ready[ns][key]
-        self.events.record(ns, key, removed=True)
-        self.counters.namespaces[ns] -= 1
-        if not self.counters.namespaces[ns]:
-            del self.counters.namespaces[ns]
+    def _vacate(self, slot: int) -> None:
+        """Take a chunk out of its slot, which is free from then on."""
+        if not self._by_slot:
+            del self._slot_by_key[cast(ChunkKey, self._ids[slot])]
+            self._ids[slot] = None
+        self._chunks.discard(slot)
+        self._long.pop(slot, None)
+        self._state[slot] = _FREE
+
+    def _keys_at(self, slots: list[int]) -> list[bytes]:
+        """The key of the chunk in each of `slots`."""
+        held, long = self._key_bytes, self._long
+        return [
+            long[slot] if length == _LONG else held[slot * KEY_WIDTH :][:length].tobytes()
+            for slot, length in zip(slots, self._key_length[slots].tolist(), strict=True)
+        ]
+
+    def _make_ready(self, namespace: str, slots: list[int]) -> None:
+        """Make written chunks of `namespace` readable: ordered by the policy, logged,
+        published."""
+        if not slots:
+            return
+        keys = self._keys_at(slots)
+        self._state[slots] = _READY
+        self.policy.on_inserts(self._chunk_ids(slots))
+        self.counters.namespaces[namespace] += len(slots)
+        for key in keys:
+            self.events.record(namespace, key, removed=False)
+        if self.table is None:
+            return
+        put, published = self.table.put, self._published
+        for slot, generation in zip(slots, self._generation[slots].tolist(), strict=True):
+            if put(self._digests[slot], slot, generation):
+                published[slot] = 1
+
+    def _forget(self, slot: int) -> None:
+        """A ready chunk leaves the pool: withdrawn from the table before its slot can go to
+        another chunk."""
+        namespace, key = self.key_at(slot)
+        if self._published[slot]:
+            if self.table is not None:
+                self.table.remove(self._digests[slot])
+            self._published[slot] = 0
+        self._vacate(slot)
+        self.events.record(namespace, key, removed=True)
+        self.counters.namespaces[namespace] -= 1
+        if not self.counters.namespaces[namespace]:
+            del self.counters.namespaces[namespace]

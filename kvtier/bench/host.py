@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich.progress import Progress
@@ -31,6 +31,9 @@ from kvtier.agent.pool import Bytes
 from kvtier.agent.pool_layout import PAGE
 from kvtier.bench.baseline import memcpy_rows, run_threads, shared_buffer, tmpfs_buffer
 from kvtier.local_agent import AgentProcess, scratch_config
+
+if TYPE_CHECKING:
+    from kvtier.agent.index import HostIndex
 
 NS = "bench"
 BATCH_BYTES = 64 << 20  # rows per call: an 8k-token prompt of 256-token chunks at 2 MiB
@@ -229,17 +232,16 @@ def ipc_round_trip(reps: int) -> dict[str, float]:
 def index_footprint_and_rate(entries: int, batch: int = 1024) -> dict[str, float]:
     """The published table and the agent's own index holding `entries` chunks: bytes per
     entry of each, and batched lookups per second (one thread) on the table, digests
-    included, half the keys held."""
-    import tracemalloc
-
-    from kvtier.agent.index import HostIndex
-    from kvtier.agent.policy import make_policy
+    included, half the keys held. The agent's index is measured under each policy on a
+    tenth as many chunks (its bytes per chunk do not depend on how many there are), its
+    batched lookups (by key, and by digest as clients report them) under the default, and
+    its event log on its own."""
     from kvtier.agent.pool_layout import index_file_bytes
     from kvtier.agent.shm_index import TableReader, TableWriter, digests
 
     directory = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
     path = directory / "bench.pool.index"
-    keys = [i.to_bytes(32, "little") + b"\0\0\0\1" for i in range(entries)]
+    keys = [_index_key(i) for i in range(entries)]
     try:
         writer = TableWriter(path, entries, boot=1)
         for slot, d in enumerate(digests(NS, keys).tolist()):
@@ -261,25 +263,108 @@ def index_footprint_and_rate(entries: int, batch: int = 1024) -> dict[str, float
         writer.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    # The agent's own index, measured on a tenth as many chunks (it is plain Python objects,
-    # so its bytes per chunk do not depend on how many there are).
+    del keys, misses, queries
     sample = max(1, entries // 10)
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    index = HostIndex(sample, make_policy("lru", sample))
-    for start in range(0, sample, 1024):
-        part = keys[start : start + 1024]
-        lease, _, _ = index.allocate("bench", NS, part, PAGE, float("inf"))
-        index.commit(lease, "bench")
-    agent_per_entry = (tracemalloc.get_traced_memory()[0] - before) / sample
-    tracemalloc.stop()
-    del index
+    agent = {policy: agent_index_bytes(policy, sample) for policy in ("lru", "arc", "prefix")}
     return {
         "index_bytes_per_entry": table_per_entry,
-        "agent_index_bytes_per_entry": agent_per_entry,
+        "agent_index_bytes_per_entry": agent["lru"],  # the default policy
+        "agent_index_bytes_per_entry_arc": agent["arc"],
+        "agent_index_bytes_per_entry_prefix": agent["prefix"],
+        "agent_event_log_bytes_per_event": event_log_bytes(min(sample, 65536)),
+        **agent_index_rates(sample, batch),
         "index_lookups_per_s": rate,
         "index_entries": entries,
     }
+
+
+def _index_key(i: int) -> bytes:
+    return i.to_bytes(32, "little") + b"\0\0\0\1"
+
+
+def agent_index_bytes(policy: str, chunks: int) -> float:
+    """Bytes per chunk of the agent's own index holding `chunks` chunks under `policy`.
+
+    Traced from before the index is built, with the keys made inside the traced region, so
+    whatever the index keeps of them counts. Its log of stores and evictions is swapped for
+    a one-event log: that log is a ring of at most 65,536 events per namespace however many
+    chunks the pool holds, and `event_log_bytes` measures it.
+    """
+    import tracemalloc
+
+    from kvtier.agent.events import ChunkEvents
+    from kvtier.agent.index import HostIndex
+    from kvtier.agent.policy import make_policy
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = HostIndex(chunks, make_policy(policy, chunks))
+    index.events = ChunkEvents(per_namespace=1)
+    _fill(index, chunks)
+    per_chunk = (tracemalloc.get_traced_memory()[0] - before) / chunks
+    tracemalloc.stop()
+    return per_chunk
+
+
+def agent_index_rates(chunks: int, batch: int) -> dict[str, float]:
+    """Keys per second the agent's own index (LRU) answers holding `chunks` chunks, in
+    batches of `batch` keys, half of them held: looked up by key (requests over the socket)
+    and by digest (lookups clients answered from the published table and report)."""
+    from kvtier.agent.index import HostIndex
+    from kvtier.agent.policy import make_policy
+    from kvtier.agent.shm_index import TableWriter, digests
+
+    directory = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
+    try:
+        table = TableWriter(directory / "bench.pool.index", chunks, boot=1)
+        index = HostIndex(chunks, make_policy("lru", chunks), table=table)
+        _fill(index, chunks)
+        rounds = max(1, min(chunks // batch, 200))
+        queries = [
+            [_index_key((r * batch + i) % chunks) for i in range(batch // 2)]
+            + [_index_key(chunks + r * batch + i) for i in range(batch - batch // 2)]
+            for r in range(rounds)
+        ]
+        reported = [digests(NS, q).tolist() for q in queries]
+        by_key = _keys_per_s(lambda q: index.lookup(NS, q), queries)
+        by_digest = _keys_per_s(lambda d: index.lookup_digests(NS, d), reported)
+        table.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return {"agent_index_lookups_per_s": by_key, "agent_index_digest_lookups_per_s": by_digest}
+
+
+def _keys_per_s(ask: Callable[[Any], object], batches: list[Any]) -> float:
+    started = time.perf_counter()
+    for batch in batches:
+        ask(batch)
+    return sum(map(len, batches)) / (time.perf_counter() - started)
+
+
+def _fill(index: HostIndex, chunks: int) -> None:
+    """Store and commit `chunks` new chunks, 1,024 a lease, keeping no key here."""
+    for start in range(0, chunks, 1024):
+        keys = [_index_key(i) for i in range(start, min(start + 1024, chunks))]
+        lease, _, _ = index.allocate("bench", NS, keys, PAGE, float("inf"))
+        index.commit(lease, "bench")
+
+
+def event_log_bytes(events: int) -> float:
+    """Bytes per event of the index's log of stores and evictions (kept for KV-event
+    consumers), keys included, for up to its 65,536 events per namespace."""
+    import tracemalloc
+
+    from kvtier.agent.events import ChunkEvents
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    log = ChunkEvents()
+    for i in range(events):
+        log.record(NS, _index_key(i), removed=False)
+    per_event = (tracemalloc.get_traced_memory()[0] - before) / events
+    tracemalloc.stop()
+    del log
+    return per_event
 
 
 def run(quick: bool) -> dict[str, Any]:

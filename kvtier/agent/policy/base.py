@@ -8,13 +8,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 ChunkId = Hashable
 
 
 class EvictionPolicy(ABC):
     name: str
+    # How the index names chunks to this policy: by pool slot (an int below `capacity`), for
+    # a policy that keeps nothing of a chunk once it leaves, so a slot given to another
+    # chunk names that chunk; or by (namespace, key), for one that remembers chunks after
+    # they left (ghosts, history). A policy of slots is not told parents (`on_parents`): a
+    # parent need not be in the pool.
+    by_slot: ClassVar[bool] = False
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -26,6 +32,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_hit(self, chunk: ChunkId) -> None:
         """A resident chunk was asked for."""
+
+    def on_inserts(self, chunks: Sequence[ChunkId]) -> None:
+        """Several chunks became resident at once, in order (a committed store)."""
+        for chunk in chunks:
+            self.on_insert(chunk)
 
     def on_hits(self, chunks: Sequence[ChunkId]) -> None:
         """Several hits at once, in request order (a batched lookup)."""
