@@ -324,3 +324,36 @@ def test_lookup_by_digest_finds_only_published_chunks_of_its_namespace() -> None
 def test_index_keeps_within_128_bytes_a_chunk() -> None:
     """The agent's index (LRU), counting every object it keeps: the keys included."""
     assert agent_index_bytes("lru", 4096) <= 128
+
+
+@given(st.lists(st.sampled_from(["adopt", "rest", "store"]), max_size=40))
+@settings(max_examples=100, deadline=None)
+def test_slots_taken_by_a_restart_are_never_handed_out(ops: list[str]) -> None:
+    """Slots a restart takes out of the free ones by name, in any order (adopting the
+    chunks the pool holds, resting those a writer may still copy into), are never handed
+    to a store while taken; no two chunks share a slot; the free count stays true."""
+    from kvtier.agent.chunk import ChunkHeader
+
+    index = HostIndex(16, make_policy("lru", 16))
+    resting: set[int] = set()
+    for n, op in enumerate(ops):
+        held = held_slots(index)
+        unused = sorted(set(range(16)) - resting - held)
+        if op == "store" or not unused:
+            lease, slots, _ = index.allocate("c", "ns", [b"s%d" % n], 8, float("inf"))
+            assert not set(slots) & resting
+            if lease:
+                index.commit(lease, "c")
+        elif op == "adopt":
+            index.adopt(ChunkHeader("ns", b"a%d" % n, 8, 1), unused[n * 7 % len(unused)], n + 1)
+        else:
+            index.rest(unused[n * 7 % len(unused)], until=float("inf"))
+            resting.add(unused[n * 7 % len(unused)])
+        assert len(held_slots(index)) == index.chunks  # one slot per chunk
+        assert index.free_slots == 16 - index.chunks - len(resting)
+
+
+def held_slots(index: HostIndex) -> set[int]:
+    """Slots of the chunks the index holds."""
+    entries = [index.get(ns, key) for ns, keys in index.ready_keys().items() for key in keys]
+    return {entry.slot for entry in entries if entry is not None}

@@ -267,6 +267,43 @@ class IndexCounters:
     namespaces: Counter[str] = field(default_factory=Counter)
 
 
+class _FreeSlots:
+    """The unused slots, as a stack, with a flag per slot: taking a given slot out (a restart
+    adopting each chunk the pool holds) is then one flag, not a scan of the stack, which
+    would make re-indexing a large pool quadratic. Entries whose slot was taken out this way
+    stay in the stack and are skipped when they come up; a slot is handed out only while its
+    flag says it is free, so never twice."""
+
+    def __init__(self, slot_count: int) -> None:
+        self._stack = array("i", range(slot_count - 1, -1, -1))
+        self._is_free = np.ones(slot_count, np.bool_)
+        self._count = slot_count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def pop(self) -> int:
+        while True:
+            slot = self._stack.pop()
+            if self._is_free[slot]:
+                self._is_free[slot] = False
+                self._count -= 1
+                return slot
+
+    def append(self, slot: int) -> None:
+        if not self._is_free[slot]:
+            self._is_free[slot] = True
+            self._count += 1
+            self._stack.append(slot)
+
+    def remove(self, slot: int) -> None:
+        """Take a free slot out of use; ValueError if it is not free."""
+        if not self._is_free[slot]:
+            raise ValueError(f"slot {slot} is not free")
+        self._is_free[slot] = False
+        self._count -= 1
+
+
 class HostIndex:
     def __init__(
         self,
@@ -304,7 +341,7 @@ class HostIndex:
         # policy keeps, and the slot of each name.
         self._ids: list[ChunkKey | None] = [] if self._by_slot else [None] * slot_count
         self._slot_by_key: dict[ChunkKey, int] = {}
-        self._free = array("i", range(slot_count - 1, -1, -1))
+        self._free = _FreeSlots(slot_count)
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count((boot << 32) + 1)
         self._next_generation = (boot << 32) + 1
@@ -567,7 +604,9 @@ class HostIndex:
             self._release(lease, rest_until=now + self.rest_seconds)
         self.counters.leases_expired += len(expired)
         if self._resting:
-            self._free.extend(slot for until, slot in self._resting if until <= now)
+            for until, slot in self._resting:
+                if until <= now:
+                    self._free.append(slot)
             self._resting = [(until, slot) for until, slot in self._resting if until > now]
         return expired
 
