@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.agent.index import KEY_WIDTH, HostIndex, LeaseError, _SlotMap
+from kvtier.agent.index import HostIndex, LeaseError
+from kvtier.agent.index_slots import KEY_WIDTH, SlotMap
 from kvtier.agent.policy import make_policy
 from kvtier.agent.protocol import StoreCode, Where
 from kvtier.agent.shm_index import TableWriter, digests
@@ -201,7 +202,7 @@ def test_slot_map_finds_exactly_the_slots_placed(ops: list[tuple[bool, int, int]
     is found under its hash and tag in one batched find, and no other (hash, tag) finds
     anything."""
     hashes, tags = array("Q", [0]) * 12, np.zeros(12, np.uint64)
-    table = _SlotMap(12, hashes)
+    table = SlotMap(12, hashes)
     names = [
         (variant << 6 | place, tag) for variant in range(2) for place in PLACES for tag in (0, 1)
     ]
@@ -251,8 +252,8 @@ def test_index_agrees_with_a_dict_under_colliding_digests(ops: list[tuple[str, i
     index = HostIndex(4, make_policy("lru", 4))
     model: OrderedDict[tuple[str, bytes], None] = OrderedDict()
     with (
-        mock.patch("kvtier.agent.index.digests", _two_digests),
-        mock.patch("kvtier.agent.index._field", _one_long_field),
+        mock.patch("kvtier.agent.index_slots.digests", _two_digests),
+        mock.patch("kvtier.agent.index_slots.key_field", _one_long_field),
     ):
         for op, i in ops:
             namespace, key = chunk = KEYS[i]

@@ -25,7 +25,7 @@ kvtier/bench/host.py measures it). An `Entry` is a view of one slot.
 Every lookup the agent answers, and every one a client reports having answered from the
 published table (1,000 keys a vLLM request is common), passes through here, so the batch
 paths are numpy operations over the whole batch rather than Python work per key:
-- A chunk is placed, in an open-addressing map of slot numbers (`_SlotMap`), under the
+- A chunk is placed, in an open-addressing map of slot numbers (`SlotMap`), under the
   64-bit digest the published table files it under (`shm_index.digests`, vectorised, where a
   cryptographic digest costs half a microsecond a key). A batch probes the map together, a
   window of positions per key in one gather; the map has four positions per slot or more,
@@ -53,7 +53,6 @@ reading the pool's slot header.
 from __future__ import annotations
 
 import enum
-import hashlib
 import itertools
 from array import array
 from collections import Counter
@@ -66,9 +65,19 @@ import numpy.typing as npt
 
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.events import ChunkEvents
+from kvtier.agent.index_slots import (
+    KEY_WIDTH,
+    LONG,
+    WORDS,
+    FreeSlots,
+    KeyBatch,
+    Mask,
+    SlotMap,
+    Slots,
+)
 from kvtier.agent.policy import ChunkId, EvictionPolicy
 from kvtier.agent.protocol import StoreCode, Where
-from kvtier.agent.shm_index import TableWriter, digests
+from kvtier.agent.shm_index import TableWriter
 
 
 class LeaseError(ValueError):
@@ -83,121 +92,8 @@ class EntryState(enum.IntEnum):
 
 
 ChunkKey = tuple[str, bytes]
-Slots = npt.NDArray[np.int64]
-Mask = npt.NDArray[np.bool_]
-# Given candidate slots and the rows of the batch they were found for, which are those rows'.
-Confirm = Callable[[Slots, Slots], Mask]
-
-KEY_WIDTH = 40  # bytes of a key its slot keeps; a longer key keeps a digest of itself there
-_WORDS = KEY_WIDTH // 8
-_LONG = 0xFF  # the length a slot records for a key longer than KEY_WIDTH
-# Positions a batched find reads per key at once: at a quarter full a probe rarely runs
-# past four, so one gather answers almost every key; a small batch, whose cost is the
-# number of numpy calls rather than their length, reads eight.
-_WINDOW, _WIDE_WINDOW, _WIDE_UP_TO = np.arange(4), np.arange(8), 256
 # The states as plain ints, which numpy stores and compares without consulting the enum.
 _FREE, _WRITING, _READY = (state.value for state in EntryState)
-
-
-def _field(key: bytes) -> bytes:
-    """What a slot's key field holds for `key`: the key, or a digest of a longer one."""
-    if len(key) > KEY_WIDTH:
-        key = hashlib.blake2b(key, digest_size=KEY_WIDTH).digest()
-    return key.ljust(KEY_WIDTH, b"\0")
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """Keys of one namespace as the index compares them: their digests (where the map
-    places them), key fields as words and recorded lengths, one row per key."""
-
-    number: int  # the namespace's
-    keys: list[bytes]
-    hashes: npt.NDArray[np.uint64]
-    words: npt.NDArray[np.uint64]  # (keys, KEY_WIDTH / 8)
-    lengths: npt.NDArray[np.uint8]
-    long: bool  # some key is longer than KEY_WIDTH
-
-    @classmethod
-    def of(cls, number: int, namespace: str, keys: list[bytes]) -> _Batch:
-        n = len(keys)
-        sizes = set(map(len, keys))
-        if len(sizes) == 1 and 0 < (size := next(iter(sizes))) <= KEY_WIDTH:
-            # the usual batch (short keys of one length): no copy per key
-            raw = np.zeros((n, KEY_WIDTH), np.uint8)
-            raw[:, :size] = np.frombuffer(b"".join(keys), np.uint8).reshape(n, size)
-            lengths: npt.NDArray[np.uint8] = np.full(n, size, np.uint8)
-        else:
-            raw = np.frombuffer(b"".join(map(_field, keys)), np.uint8).reshape(n, KEY_WIDTH)
-            lengths = np.array([len(k) if len(k) <= KEY_WIDTH else _LONG for k in keys], np.uint8)
-        hashes = digests(namespace, keys) if n else np.empty(0, np.uint64)
-        words = raw.view(np.uint64).reshape(n, _WORDS)
-        return cls(number, keys, hashes, words, lengths, max(sizes, default=0) > KEY_WIDTH)
-
-
-class _SlotMap:
-    """Open addressing from a slot's 64-bit digest to the slot: a position holds only a slot
-    number (4 bytes, four to eight positions per slot, so probes stay short), the digests
-    live in a column of the index. Deletion shifts the rest of a cluster back (no
-    tombstones), so probes stay short however much the chunks churn. A batch is found in
-    numpy gathers of a window of positions per digest; placing and removing one slot walk
-    its cluster in Python, over `array`s numpy sees through views."""
-
-    def __init__(self, slots: int, hashes: array[int]) -> None:
-        size = 1 << (4 * max(slots, 1) - 1).bit_length()  # at least four times the slots
-        self._mask = size - 1
-        self._at = array("i", [-1]) * size
-        self._hashes = hashes
-        self._at_view = np.frombuffer(self._at, np.int32)
-        self._hash_view = np.frombuffer(hashes, np.uint64)
-
-    def find(self, hashes: npt.NDArray[np.uint64], confirm: Confirm) -> Slots:
-        """Per digest, the first slot placed under it that `confirm` accepts, else -1.
-
-        Every slot of a digest lies in the run of occupied positions from the digest's home
-        (a hole only ever follows a cluster, and removals close theirs), so a window's
-        matches need no check for a hole before them; a key is looked for in the next
-        window only while it found no hole."""
-        found = np.full(len(hashes), -1, np.int64)
-        rows: Slots = np.arange(len(hashes))
-        start = (hashes & np.uint64(self._mask)).astype(np.int64)
-        steps = _WINDOW if len(hashes) > _WIDE_UP_TO else _WIDE_WINDOW
-        at, held = self._at_view, self._hash_view
-        while rows.size:
-            slots = at[(start[:, None] + steps) & self._mask]
-            occupied = slots >= 0
-            row, col = np.nonzero(occupied & (held[slots] == hashes[rows, None]))
-            if row.size:
-                ok = confirm(slots[row, col].astype(np.int64), rows[row])
-                found[rows[row[ok]]] = slots[row[ok], col[ok]]
-            going = occupied.all(axis=1) & (found[rows] < 0)
-            rows, start = rows[going], start[going] + len(steps)
-        return found
-
-    def add(self, slot: int) -> None:
-        """Place `slot` under the digest its column holds."""
-        at, mask = self._at, self._mask
-        pos = self._hashes[slot] & mask
-        while at[pos] >= 0:
-            pos = (pos + 1) & mask
-        at[pos] = slot
-
-    def discard(self, slot: int) -> None:
-        """Take `slot` out (its column still holding the digest it was placed under), moving
-        each later member of its cluster into the hole unless its home lies after the hole."""
-        at, hashes, mask = self._at, self._hashes, self._mask
-        hole = hashes[slot] & mask
-        while (held := at[hole]) != slot:
-            if held < 0:
-                raise KeyError(f"slot {slot} is not in the map")
-            hole = (hole + 1) & mask
-        pos = (hole + 1) & mask
-        while (moved := at[pos]) >= 0:
-            if (pos - (hashes[moved] & mask)) & mask >= (pos - hole) & mask:
-                at[hole] = moved
-                hole = pos
-            pos = (pos + 1) & mask
-        at[hole] = -1
 
 
 class Entry:
@@ -267,43 +163,6 @@ class IndexCounters:
     namespaces: Counter[str] = field(default_factory=Counter)
 
 
-class _FreeSlots:
-    """The unused slots, as a stack, with a flag per slot: taking a given slot out (a restart
-    adopting each chunk the pool holds) is then one flag, not a scan of the stack, which
-    would make re-indexing a large pool quadratic. Entries whose slot was taken out this way
-    stay in the stack and are skipped when they come up; a slot is handed out only while its
-    flag says it is free, so never twice."""
-
-    def __init__(self, slot_count: int) -> None:
-        self._stack = array("i", range(slot_count - 1, -1, -1))
-        self._is_free = np.ones(slot_count, np.bool_)
-        self._count = slot_count
-
-    def __len__(self) -> int:
-        return self._count
-
-    def pop(self) -> int:
-        while True:
-            slot = self._stack.pop()
-            if self._is_free[slot]:
-                self._is_free[slot] = False
-                self._count -= 1
-                return slot
-
-    def append(self, slot: int) -> None:
-        if not self._is_free[slot]:
-            self._is_free[slot] = True
-            self._count += 1
-            self._stack.append(slot)
-
-    def remove(self, slot: int) -> None:
-        """Take a free slot out of use; ValueError if it is not free."""
-        if not self._is_free[slot]:
-            raise ValueError(f"slot {slot} is not free")
-        self._is_free[slot] = False
-        self._count -= 1
-
-
 class HostIndex:
     def __init__(
         self,
@@ -321,9 +180,9 @@ class HostIndex:
         # Per slot, meaningful while its state is not FREE.
         self._state = np.zeros(slot_count, np.uint8)
         self._namespace = np.zeros(slot_count, np.uint32)  # its namespace's number
-        self._key = np.zeros((slot_count, _WORDS), np.uint64)  # its key field (`_field`)
+        self._key = np.zeros((slot_count, WORDS), np.uint64)  # its key field (`key_field`)
         self._key_bytes = self._key.data.cast("B")
-        self._key_length = np.zeros(slot_count, np.uint8)  # _LONG: see `_long`
+        self._key_length = np.zeros(slot_count, np.uint8)  # LONG: see `_long`
         self._pins = np.zeros(slot_count, np.int32)
         self._hits = np.zeros(slot_count, np.uint32)  # wraps after 2^32 hits of one chunk
         self._length = np.zeros(slot_count, np.uint64)
@@ -332,7 +191,7 @@ class HostIndex:
         self._published = np.zeros(slot_count, np.uint8)  # in the table under its digest
         self._generation = np.zeros(slot_count, np.uint64)
         self._digests = array("Q", [0]) * slot_count  # its `shm_index.digest`
-        self._chunks = _SlotMap(slot_count, self._digests)
+        self._chunks = SlotMap(slot_count, self._digests)
         self._long: dict[int, bytes] = {}  # slot -> a key longer than KEY_WIDTH
         self._numbers: dict[str, int] = {}
         self._names: list[str] = []  # by number
@@ -341,7 +200,7 @@ class HostIndex:
         # policy keeps, and the slot of each name.
         self._ids: list[ChunkKey | None] = [] if self._by_slot else [None] * slot_count
         self._slot_by_key: dict[ChunkKey, int] = {}
-        self._free = _FreeSlots(slot_count)
+        self._free = FreeSlots(slot_count)
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count((boot << 32) + 1)
         self._next_generation = (boot << 32) + 1
@@ -470,7 +329,7 @@ class HostIndex:
         """
         if parents is not None:
             self.note_parents(namespace, keys, parents)
-        batch = _Batch.of(self._number(namespace), namespace, keys)
+        batch = KeyBatch.of(self._number(namespace), namespace, keys)
         slots = self._place(batch, self._find(batch).tolist())
         granted = [i for i, slot in enumerate(slots) if slot >= 0]
         if not granted:
@@ -569,7 +428,7 @@ class HostIndex:
         """Index a verified chunk found in the pool after a restart, keeping its slot's
         generation (readers of the earlier agent process may still be copying it)."""
         self._free.remove(slot)
-        batch = _Batch.of(self._number(header.namespace), header.namespace, [header.key])
+        batch = KeyBatch.of(self._number(header.namespace), header.namespace, [header.key])
         self._hold(np.array([slot]), batch, np.zeros(1, np.int64), generation, header.length)
         self._pins[slot] = 0
         entry = Entry(self, slot)
@@ -675,14 +534,14 @@ class HostIndex:
         number = self._numbers.get(namespace)
         if number is None:
             return np.full(len(keys), -1, np.int64)
-        return self._find(_Batch.of(number, namespace, keys))
+        return self._find(KeyBatch.of(number, namespace, keys))
 
     def _ready_slots(self, namespace: str, keys: list[bytes]) -> Slots:
         """Each key's slot where its chunk is ready to read, else -1."""
         slots = self._slots(namespace, keys)
         return np.where(self._state[slots] == _READY, slots, -1)
 
-    def _find(self, batch: _Batch) -> Slots:
+    def _find(self, batch: KeyBatch) -> Slots:
         """Each key's slot, else -1: the map's candidates, confirmed by namespace and key."""
 
         def same(slots: Slots, rows: Slots) -> Mask:
@@ -692,13 +551,13 @@ class HostIndex:
                 & (self._key[slots] == batch.words[rows]).all(axis=1)
             )
             if batch.long:  # a digest in the field: the keys themselves decide
-                for i in np.flatnonzero(alike & (batch.lengths[rows] == _LONG)).tolist():
+                for i in np.flatnonzero(alike & (batch.lengths[rows] == LONG)).tolist():
                     alike[i] = self._long[int(slots[i])] == batch.keys[int(rows[i])]
             return alike
 
         return self._chunks.find(batch.hashes, same)
 
-    def _place(self, batch: _Batch, held: list[int]) -> list[int]:
+    def _place(self, batch: KeyBatch, held: list[int]) -> list[int]:
         """A slot for each key of a store not held (`held`: where each key was before the
         store), else its code: EXISTS, BUSY (being written, by this store too) or FULL. A
         chunk evicted for an earlier key of the batch counts as not held."""
@@ -761,7 +620,7 @@ class HostIndex:
         self.counters.evictions += 1
         return slot
 
-    def _hold(self, slots: Slots, batch: _Batch, rows: Slots, first: int, length: int) -> None:
+    def _hold(self, slots: Slots, batch: KeyBatch, rows: Slots, first: int, length: int) -> None:
         """Give free slots to the batch's keys in `rows`, to be written: generations from
         `first` on, pinned by the store."""
         self._state[slots] = _WRITING
@@ -777,7 +636,7 @@ class HostIndex:
         for slot, row, digest in zip(slots.tolist(), rows.tolist(), hashes, strict=True):
             self._digests[slot] = digest
             self._chunks.add(slot)
-            if batch.long and batch.lengths[row] == _LONG:
+            if batch.long and batch.lengths[row] == LONG:
                 self._long[slot] = batch.keys[row]
             if not self._by_slot:
                 chunk = self._ids[slot] = (name, batch.keys[row])
@@ -796,7 +655,7 @@ class HostIndex:
         """The key of the chunk in each of `slots`."""
         held, long = self._key_bytes, self._long
         return [
-            long[slot] if length == _LONG else held[slot * KEY_WIDTH :][:length].tobytes()
+            long[slot] if length == LONG else held[slot * KEY_WIDTH :][:length].tobytes()
             for slot, length in zip(slots, self._key_length[slots].tolist(), strict=True)
         ]
 
