@@ -91,9 +91,15 @@ class AgentMetrics:
         return int(server.server_port)
 
 
-# (metric, help, label name, {label value: TierCounts field}) of each per-tier counter a
-# secondary tier's counts feed; label None for one series per tier alone.
-_TIER_COUNTERS: list[tuple[str, str, str | None, dict[str, str]]] = [
+# Counters of every tier, the host's included: (metric, help, TierCounts field).
+_ALL_TIERS = [
+    ("kvtier_hits", "Keys found, by tier.", "hits"),
+    ("kvtier_corrupt_chunks", "Chunks that failed verification.", "corrupt"),
+    ("kvtier_evictions", "Chunks evicted.", "evictions"),
+]
+# Counters of the secondary tiers alone: (metric, help, label, {label value: field}); with
+# label None, one series per tier of the one field.
+_SECONDARY: list[tuple[str, str, str | None, dict[str, str]]] = [
     ("kvtier_tier_misses", "Keys a secondary tier was asked for and lacked.", None, {"": "misses"}),
     (
         "kvtier_promotions",
@@ -175,16 +181,12 @@ class _StatsCollector(Collector):
     def _per_tier(self, s: AgentStats) -> Iterator[Metric]:
         host = TierCounts(hits=s.host.hits, corrupt=s.host.corrupt, evictions=s.host.evictions)
         tiers = [("host", host)] + [(t.name, t.counts) for t in s.tiers]
-        for name, doc, field in (
-            ("kvtier_hits", "Keys found, by tier.", "hits"),
-            ("kvtier_corrupt_chunks", "Chunks that failed verification.", "corrupt"),
-            ("kvtier_evictions", "Chunks evicted.", "evictions"),
-        ):
+        for name, doc, field in _ALL_TIERS:
             family = CounterMetricFamily(name, doc, labels=["tier"])
             for tier_name, counts in tiers:
                 family.add_metric([tier_name], getattr(counts, field))
             yield family
-        for name, doc, label, fields in _TIER_COUNTERS:
+        for name, doc, label, fields in _SECONDARY:
             family = CounterMetricFamily(name, doc, labels=["tier", *([label] if label else [])])
             for tier in s.tiers:
                 for value, field in fields.items():

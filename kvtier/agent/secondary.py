@@ -36,7 +36,7 @@ from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import Entry
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.protocol import Where
-from kvtier.agent.stats import PeerCounts, Tally, TierCount, TierCounts, TierStats
+from kvtier.agent.stats import Tally, TierCount, TierCounts, TierStats
 from kvtier.agent.tiers import CorruptChunk, SecondaryTier, TierContext, build_tier
 
 if TYPE_CHECKING:
@@ -45,12 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.agent.secondary")
 
 FAILURES_TO_UNHEALTHY = 3
-_DropReason = Literal["pool_pressure", "unhealthy", "queue_full"]
-_DROPPED: dict[_DropReason, TierCount] = {
-    "pool_pressure": "dropped_pool_pressure",
-    "unhealthy": "dropped_unhealthy",
-    "queue_full": "dropped_queue_full",
-}
 
 
 @dataclass
@@ -148,16 +142,18 @@ class SecondaryTiers:
                         self._enqueue(tier, entry)
 
     def _enqueue(self, tier: _Tier, entry: Entry) -> None:
-        reason: _DropReason | None = "pool_pressure" if self._pins >= self._max_pins else None
+        dropped: TierCount | None = None
         if not tier.healthy:
-            reason = "unhealthy"
-        if reason is None:
+            dropped = "dropped_unhealthy"
+        elif self._pins >= self._max_pins:
+            dropped = "dropped_pool_pressure"
+        else:
             try:
                 tier.queue.put_nowait(entry)
             except queue.Full:
-                reason = "queue_full"
-        if reason is not None:
-            tier.counts.add(_DROPPED[reason])
+                dropped = "dropped_queue_full"
+        if dropped is not None:
+            tier.counts.add(dropped)
             return
         self.host.pin_locked(entry)  # released by the writer: the slot cannot be reused meanwhile
         with self._pins_lock:
@@ -326,7 +322,6 @@ class SecondaryTiers:
         for tier in self.tiers:
             usage = tier.backend.usage()
             counts = tier.counts.read()
-            peer = tier.backend.counters()
             out.append(
                 TierStats(
                     name=tier.name,
@@ -337,7 +332,7 @@ class SecondaryTiers:
                     queued=tier.queue.qsize(),
                     healthy=tier.healthy,
                     counts=counts,
-                    peer=peer if isinstance(peer, PeerCounts) else None,
+                    peer=tier.backend.counters(),
                 )
             )
         return out
