@@ -47,7 +47,7 @@ from kvtier.agent.pool_layout import (
     staging_geometry,
 )
 from kvtier.agent.protocol import StoreCode
-from kvtier.agent.shm_index import TableWriter, index_path
+from kvtier.agent.shm_index import U64, TableWriter, index_path
 from kvtier.agent.stats import HostStats, PolicyStats, StoreSkip, StoreSkips, Tally
 
 log = logging.getLogger("kvtier.agent.host")
@@ -162,7 +162,7 @@ class HostTier:
         with self._lock:
             return self._index.lookup(namespace, keys)
 
-    def lookup_digests(self, namespace: str, digests: list[int]) -> list[bool]:
+    def lookup_digests(self, namespace: str, digests: U64) -> list[bool]:
         """Lookups a client answered from the published index, by digest: counted, and
         the hits' recency refreshed, as if answered here."""
         with self._lock:
@@ -199,7 +199,7 @@ class HostTier:
     ) -> tuple[int, list[int], list[int], list[int]]:
         """Reserve a pool slot and a staging slot per new key: (lease, pool slots or codes,
         generations, staging slots or -1). Keys past the staging slots free right now get
-        STAGING: the client stores them again once its earlier stores are committed.
+        STAGING_FULL: the client stores them again once its earlier stores are committed.
         `parents`: each key's predecessor in its request, noted for the prefix policy before
         the store evicts anything."""
         if not 0 < nbytes <= self.geometry.payload_bytes:
@@ -207,29 +207,19 @@ class HostTier:
                 f"nbytes {nbytes} does not fit a slot of {self.geometry.payload_bytes} bytes; "
                 "the engine's row size must match the agent's host.chunkBytes"
             )
-        n = len(keys)
-        slots, generations, staging = [int(StoreCode.STAGING_FULL)] * n, [0] * n, [-1] * n
+        staging = [-1] * len(keys)
         with self._lock:
-            if parents is not None:
-                self._index.note_parents(namespace, keys, parents)
-            budget = len(self._staging_free)
-            chosen = []
-            for i, entry in enumerate(self._index.entries(namespace, keys)):
-                if entry is None:
-                    if not budget:
-                        continue
-                    budget -= 1
-                chosen.append(i)
-            lease, got, gens = self._index.allocate(
+            lease, slots, generations = self._index.allocate(
                 client,
                 namespace,
-                [keys[i] for i in chosen],
+                keys,
                 nbytes,
                 time.monotonic() + self.lease_seconds,
+                parents,
+                limit=len(self._staging_free),
             )
             staged: dict[int, int] = {}
-            for i, slot, generation in zip(chosen, got, gens, strict=True):
-                slots[i], generations[i] = slot, generation
+            for i, (slot, generation) in enumerate(zip(slots, generations, strict=True)):
                 if slot >= 0:
                     self._claim(slot, namespace, keys[i], generation)
                     staging[i] = staged[slot] = self._staging_free.pop()

@@ -77,7 +77,7 @@ from kvtier.agent.index_slots import (
 )
 from kvtier.agent.policy import ChunkId, EvictionPolicy
 from kvtier.agent.protocol import StoreCode, Where
-from kvtier.agent.shm_index import TableWriter
+from kvtier.agent.shm_index import U64, TableWriter
 
 
 class LeaseError(ValueError):
@@ -235,7 +235,7 @@ class HostIndex:
         misses = np.flatnonzero(~hits)
         return hits.tolist(), int(misses[0]) if misses.size else len(keys)
 
-    def lookup_digests(self, namespace: str, digests: list[int]) -> list[bool]:
+    def lookup_digests(self, namespace: str, digests: U64) -> list[bool]:
         """`lookup` by index digests (what clients report of the lookups they answered
         from the published table): the hits are the chunks published under them now."""
         number = self._numbers.get(namespace)
@@ -247,7 +247,7 @@ class HostIndex:
         found = (
             np.full(len(digests), -1, np.int64)
             if number is None
-            else self._chunks.find(np.array(digests, np.uint64), published)
+            else self._chunks.find(digests, published)
         )
         hits: list[bool] = self._count_lookup(found).tolist()
         return hits
@@ -319,18 +319,22 @@ class HostIndex:
         length: int,
         deadline: float,
         parents: list[bytes | None] | None = None,
+        limit: int | None = None,
     ) -> tuple[int, list[int], list[int]]:
         """Reserve a slot per new key for `client` to write; returns (lease id, slots, the
         granted slots' generations).
 
         Keys already held or being written get EXISTS/BUSY instead of a slot, so duplicate
-        stores cost one round trip and no copy. `parents`, where the store names them, are
-        each key's predecessor in its request, for the policy (`PrefixPolicy`).
+        stores cost one round trip and no copy; new keys past the first `limit` get
+        STAGING_FULL (the host tier's staging slots free right now). `parents`, where the
+        store names them, are each key's predecessor in its request, told to the policy
+        (`PrefixPolicy`) before the store evicts anything.
         """
-        if parents is not None:
-            self.note_parents(namespace, keys, parents)
         batch = KeyBatch.of(self._number(namespace), namespace, keys)
-        slots = self._place(batch, self._find(batch).tolist())
+        held = self._find(batch).tolist()
+        if parents is not None:
+            self._note_parents(namespace, keys, parents, held)
+        slots = self._place(batch, held, limit)
         granted = [i for i, slot in enumerate(slots) if slot >= 0]
         if not granted:
             return 0, slots, [0] * len(keys)
@@ -343,15 +347,17 @@ class HostIndex:
             generations[i] = generation
         return self._new_lease(client, "store", taken, deadline), slots, generations
 
-    def note_parents(self, namespace: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+    def _note_parents(
+        self, namespace: str, keys: list[bytes], parents: list[bytes | None], slots: list[int]
+    ) -> None:
         """Tell the policy each key's predecessor in its request (None where the store did
-        not name one), for the keys not held yet: what a store is about to add. A policy that
-        names chunks by slot is not told: a parent need not be in the pool."""
+        not name one), for the keys not held yet (`slots` < 0): what a store is about to
+        add. A policy that names chunks by slot is not told: a parent need not be in the
+        pool."""
         if len(parents) != len(keys):
             raise ValueError(f"{len(parents)} parents for {len(keys)} keys")
         if self._by_slot or all(p is None for p in parents):
             return
-        slots = self._slots(namespace, keys).tolist()
         self.policy.on_parents(
             [
                 ((namespace, key), None if parent is None else (namespace, parent))
@@ -557,10 +563,11 @@ class HostIndex:
 
         return self._chunks.find(batch.hashes, same)
 
-    def _place(self, batch: KeyBatch, held: list[int]) -> list[int]:
+    def _place(self, batch: KeyBatch, held: list[int], limit: int | None) -> list[int]:
         """A slot for each key of a store not held (`held`: where each key was before the
-        store), else its code: EXISTS, BUSY (being written, by this store too) or FULL. A
-        chunk evicted for an earlier key of the batch counts as not held."""
+        store), at most `limit` of them, else its code: EXISTS, BUSY (being written, by this
+        store too), STAGING_FULL (past the limit) or FULL. A chunk evicted for an earlier key
+        of the batch counts as not held."""
         state, name = self._state, self._names[batch.number]
         placed: dict[bytes, int] = {}
         given: set[int] = set()  # a key found in one of these was evicted for this store
@@ -572,6 +579,9 @@ class HostIndex:
                 slot = placed[key]
             if slot >= 0:
                 out.append(StoreCode.EXISTS if state[slot] == _READY else StoreCode.BUSY)
+                continue
+            if limit is not None and len(given) >= limit:
+                out.append(StoreCode.STAGING_FULL)
                 continue
             got = self._free.pop() if self._free else self._evict((name, key))
             if got is None:

@@ -258,7 +258,7 @@ class Agent:
                 for size in sizes:
                     part = digests[start : start + 8 * size]
                     start += len(part)
-                    hits = host.lookup_digests(namespace, np.frombuffer(part, "<u8").tolist())
+                    hits = host.lookup_digests(namespace, np.frombuffer(part, "<u8"))
                     ids = [part[i : i + 8] for i in range(0, len(part), 8)]
                     self.access_log.record_request(namespace, ids, hits)
             case p.Allocate(namespace, keys, nbytes, parents):

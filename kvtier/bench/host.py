@@ -325,7 +325,7 @@ def agent_index_rates(chunks: int, batch: int) -> dict[str, float]:
             + [_index_key(chunks + r * batch + i) for i in range(batch - batch // 2)]
             for r in range(rounds)
         ]
-        reported = [digests(NS, q).tolist() for q in queries]
+        reported = [digests(NS, q) for q in queries]
         by_key = _keys_per_s(lambda q: index.lookup(NS, q), queries)
         by_digest = _keys_per_s(lambda d: index.lookup_digests(NS, d), reported)
         table.close()
