@@ -24,7 +24,8 @@ The log is bounded by the number of keys it holds; the oldest requests are dropp
 counted, so an export says how much it lost. Recording a request is O(its keys) and takes
 the log's own lock, never the index's: callers are the agent's request loop, for lookups it
 answers and for the batched reports of lookups clients answered from the published index
-(`record_request` is the whole API).
+(`record_digests`, keys named by their index digests; `record_request` for keys named
+otherwise).
 """
 
 from __future__ import annotations
@@ -36,8 +37,12 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.agent import protocol as p
+
+if TYPE_CHECKING:
+    from kvtier.agent.shm_index import U64
 
 DEFAULT_MAX_KEYS = 1 << 20  # about 40 MiB at most
 PAGE_KEYS = 1 << 16  # keys per page of an export (well under the protocol's message bound)
@@ -50,7 +55,7 @@ class Logged:
     """One request in the log. `seq` numbers requests from 1 in arrival order."""
 
     seq: int
-    time: float  # seconds, the clock `record_request` was given
+    time: float  # seconds, the clock the request was recorded at
     ids: Sequence[int]  # the keys' 64-bit ids
     hits: int  # keys the pool held when the request was answered
     salt: int = 0  # the namespace's, not yet mixed into `ids`
@@ -115,6 +120,15 @@ class AccessLog:
         if not self.sampled(namespace, keys[0] if keys else None):
             return False
         self.record(namespace, keys, hits, now)
+        return True
+
+    def record_digests(self, namespace: str, ds: U64, hits: Sequence[bool]) -> bool:
+        """`record_request` for keys named by their index digests, as the agent sees them:
+        the ids of the keys after the first are made only for a request the log keeps."""
+        raw = ds.astype("<u8", copy=False).tobytes()
+        if not self.sampled(namespace, raw[:8] or None):
+            return False
+        self.record(namespace, [raw[i : i + 8] for i in range(0, len(raw), 8)], hits)
         return True
 
     def record(

@@ -158,9 +158,10 @@ class HostTier:
 
     # --- requests (called by the server loop) ----------------------------------------------
 
-    def lookup(self, namespace: str, keys: list[bytes]) -> tuple[list[bool], int]:
+    def lookup(self, namespace: str, keys: list[bytes], hashes: U64) -> tuple[list[bool], int]:
+        """`hashes`: the keys' digests (the server logs the request by them too)."""
         with self._lock:
-            return self._index.lookup(namespace, keys)
+            return self._index.lookup(namespace, keys, hashes)
 
     def lookup_digests(self, namespace: str, digests: U64) -> list[bool]:
         """Lookups a client answered from the published index, by digest: counted, and

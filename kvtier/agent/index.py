@@ -225,13 +225,16 @@ class HostIndex:
             raise LookupError(f"slot {slot} holds no chunk")
         return self._names[int(self._namespace[slot])], self._keys_at([slot])[0]
 
-    def lookup(self, namespace: str, keys: list[bytes]) -> tuple[list[bool], int]:
-        """Per-key hits and the length of the longest all-hit prefix.
+    def lookup(
+        self, namespace: str, keys: list[bytes], hashes: U64 | None = None
+    ) -> tuple[list[bool], int]:
+        """Per-key hits and the length of the longest all-hit prefix (`hashes`: the keys'
+        digests, where the caller has them already).
 
         The policy learns of the hits only at `touch`, which the agent calls after it has
         answered, so the eviction order's upkeep stays out of the lookup's latency.
         """
-        hits = self._count_lookup(self._ready_slots(namespace, keys))
+        hits = self._count_lookup(self._ready_slots(namespace, keys, hashes))
         misses = np.flatnonzero(~hits)
         return hits.tolist(), int(misses[0]) if misses.size else len(keys)
 
@@ -535,16 +538,16 @@ class HostIndex:
             self._names.append(namespace)
         return number
 
-    def _slots(self, namespace: str, keys: list[bytes]) -> Slots:
+    def _slots(self, namespace: str, keys: list[bytes], hashes: U64 | None = None) -> Slots:
         """Each key's slot (its chunk ready or being written), else -1."""
         number = self._numbers.get(namespace)
         if number is None:
             return np.full(len(keys), -1, np.int64)
-        return self._find(KeyBatch.of(number, namespace, keys))
+        return self._find(KeyBatch.of(number, namespace, keys, hashes))
 
-    def _ready_slots(self, namespace: str, keys: list[bytes]) -> Slots:
+    def _ready_slots(self, namespace: str, keys: list[bytes], hashes: U64 | None = None) -> Slots:
         """Each key's slot where its chunk is ready to read, else -1."""
-        slots = self._slots(namespace, keys)
+        slots = self._slots(namespace, keys, hashes)
         return np.where(self._state[slots] == _READY, slots, -1)
 
     def _find(self, batch: KeyBatch) -> Slots:

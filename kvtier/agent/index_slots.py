@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.agent.shm_index import digests
+from kvtier.agent.shm_index import U64, digests
 
 Slots = npt.NDArray[np.int64]
 Mask = npt.NDArray[np.bool_]
@@ -49,7 +49,10 @@ class KeyBatch:
     long: bool  # some key is longer than KEY_WIDTH
 
     @classmethod
-    def of(cls, number: int, namespace: str, keys: list[bytes]) -> KeyBatch:
+    def of(
+        cls, number: int, namespace: str, keys: list[bytes], hashes: U64 | None = None
+    ) -> KeyBatch:
+        """`hashes`: the keys' `digests`, where the caller has them already."""
         n = len(keys)
         sizes = set(map(len, keys))
         if len(sizes) == 1 and 0 < (size := next(iter(sizes))) <= KEY_WIDTH:
@@ -60,7 +63,8 @@ class KeyBatch:
         else:
             raw = np.frombuffer(b"".join(map(key_field, keys)), np.uint8).reshape(n, KEY_WIDTH)
             lengths = np.array([len(k) if len(k) <= KEY_WIDTH else LONG for k in keys], np.uint8)
-        hashes = digests(namespace, keys) if n else np.empty(0, np.uint64)
+        if hashes is None:
+            hashes = digests(namespace, keys) if n else np.empty(0, np.uint64)
         words = raw.view(np.uint64).reshape(n, WORDS)
         return cls(number, keys, hashes, words, lengths, max(sizes, default=0) > KEY_WIDTH)
 

@@ -41,7 +41,7 @@ from kvtier.agent.registry import make_registry
 from kvtier.agent.report import Reporter
 from kvtier.agent.runtime_checks import check_runtime
 from kvtier.agent.secondary import SecondaryTiers
-from kvtier.agent.shm_index import digest_ids
+from kvtier.agent.shm_index import digests
 from kvtier.agent.stats import AgentStats
 from kvtier.agent.tiers import TierContext
 
@@ -241,26 +241,24 @@ class Agent:
         deadline = now + self.config.tier_budget_seconds
         match request:
             case p.Lookup(namespace, keys, source):
-                hits, prefix = host.lookup(namespace, keys)
-                # keys logged by digest, as lookups clients answer are reported (Looked);
-                # the digests of all keys only for a request the log keeps
-                first = digest_ids(namespace, keys[:1])
-                if self.access_log.sampled(namespace, first[0] if first else None):
-                    self.access_log.record(namespace, digest_ids(namespace, keys), hits)
+                ds = digests(namespace, keys)
+                hits, prefix = host.lookup(namespace, keys, ds)
+                # logged by digest, as lookups clients answer are reported (Looked)
+                self.access_log.record_digests(namespace, ds, hits)
                 if self.tiers is not None and prefix < len(keys):
                     return lambda: self._lookup_tiers(namespace, keys, hits, source, deadline)
                 return p.LookupReply(hits, prefix, [0 if h else Where.MISS for h in hits])
-            case p.Looked(namespace, digests, sizes, loaded_bytes):
+            case p.Looked(namespace, reported, sizes, loaded_bytes):
                 host.count_loaded(loaded_bytes)
                 # Lookups a client answered from the published index: the one place where
                 # they reach the counters, the policy's recency and the access log.
                 start = 0
                 for size in sizes:
-                    part = digests[start : start + 8 * size]
+                    part = reported[start : start + 8 * size]
                     start += len(part)
-                    hits = host.lookup_digests(namespace, np.frombuffer(part, "<u8"))
-                    ids = [part[i : i + 8] for i in range(0, len(part), 8)]
-                    self.access_log.record_request(namespace, ids, hits)
+                    ds = np.frombuffer(part, "<u8")
+                    hits = host.lookup_digests(namespace, ds)
+                    self.access_log.record_digests(namespace, ds, hits)
             case p.Allocate(namespace, keys, nbytes, parents):
                 lease, slots, generations, staging = host.allocate(
                     client, namespace, keys, nbytes, parents

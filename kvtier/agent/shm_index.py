@@ -135,13 +135,6 @@ def _fmix(h: int) -> int:
     return h ^ (h >> 33)
 
 
-def digest_ids(namespace: str, keys: Sequence[bytes]) -> list[bytes]:
-    """Keys as their 8-byte digests: how the agent's access log names keys, so a lookup
-    it answered and one a client answered (reported by digest) name a key alike."""
-    raw = digests(namespace, keys).astype("<u8").tobytes()
-    return [raw[i : i + 8] for i in range(0, len(raw), 8)]
-
-
 def digests(namespace: str, keys: Sequence[bytes]) -> U64:
     """The digests of many keys at once, vectorised (keys of equal length in one pass)."""
     n = len(keys)
