@@ -48,7 +48,7 @@ import zmq
 from kvtier.agent import protocol as p
 from kvtier.agent.liveness import ClientLock
 from kvtier.agent.pool import Bytes, PoolMap, staging_path
-from kvtier.agent.shm_index import TableReader, digest, digests, index_path
+from kvtier.agent.shm_index import TableReader, digests, index_path
 from kvtier.agent.stats import AgentStats
 
 _RID = struct.Struct("<Q")
@@ -296,15 +296,15 @@ class AgentClient:
         reply = self._call(p.Lookup(namespace, keys, source), p.LookupReply)
         return LookupResult(reply.hits, reply.prefix, reply.where)
 
-    def find(self, namespace: str, key: bytes) -> bool | None:
-        """Whether the pool holds one key, from the published index, without ever blocking
-        (the plug-in asks on vLLM's scheduler thread): None when there is no live index to
-        ask (not connected yet, the agent gone or restarted), and only the agent can say.
-        Not reported: see `report`."""
+    def find(self, key_digest: int) -> bool | None:
+        """Whether the pool holds the key of index digest `key_digest` (`shm_index.digest`),
+        from the published index, without ever blocking (the plug-in asks on vLLM's
+        scheduler thread): None when there is no live index to ask (not connected yet, the
+        agent gone or restarted), and only the agent can say. Not reported: see `report`."""
         index = self.index
         if index is None or index.retired or not index.alive_within(ALIVE_SECONDS):
             return None
-        return index.find_one(digest(namespace, key))[0] >= 0
+        return index.find_one(key_digest)[0] >= 0
 
     def report(self, namespace: str, digests: npt.NDArray[np.uint64]) -> None:
         """Tell the agent that these keys (one request's, in order, as index digests) were

@@ -231,15 +231,15 @@ class KVTierSecondaryTier(SecondaryTierManager):
         hello = self._client.hello
         if hello is None or source_of(req_context) or key in self._failed_until:
             return None
-        namespace = self.namespace
-        held = self._client.find(namespace, bytes(key))
+        key_digest = digest(self.namespace, bytes(key))
+        held = self._client.find(key_digest)
         if held is None or (not held and hello.tiers):
             return None
         req_id = req_context.req_id
         reported = self._reported.setdefault(req_id, set())
         if key not in reported:
             reported.add(key)
-            self._looked.setdefault(req_id, []).append(digest(namespace, bytes(key)))
+            self._looked.setdefault(req_id, []).append(key_digest)
             self._record("counter", Metrics.LOOKUPS, 1)
             if held:
                 self._record("counter", Metrics.HITS, 1)
@@ -252,10 +252,6 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._lookup.cleanup(req_context.req_id)
         self._reported.pop(req_context.req_id, None)
         self._chains.forget(req_context.req_id)
-
-    def parents_of(self, keys: list[bytes], req_context: Any) -> list[bytes | None] | None:
-        """Each key's predecessor in its request, where vLLM recorded one (`vllm_chains`)."""
-        return self._chains.parents(keys, req_context)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         now = time.monotonic()

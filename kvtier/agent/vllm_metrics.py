@@ -55,13 +55,21 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
 
 
 class Observations:
+    """What the plug-in observed since vLLM last asked: counter increments and histogram
+    samples in order, and each gauge's last value only (a gauge set on every lookup must
+    not grow a list between two reports)."""
+
     def __init__(self) -> None:
         self._seen: list[tuple[str, str, float, tuple[str, ...]]] = []
+        self._gauges: dict[tuple[str, tuple[str, ...]], float] = {}
         self._lock = threading.Lock()
 
     def record(self, kind: str, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
         with self._lock:
-            self._seen.append((kind, name, value, labels))
+            if kind == "gauge":
+                self._gauges[(name, labels)] = value
+            else:
+                self._seen.append((kind, name, value, labels))
 
     def stats(self) -> Any:
         """vLLM's OffloadingConnectorStats of what was recorded since last asked, or None."""
@@ -71,14 +79,15 @@ class Observations:
 
         with self._lock:
             observations, self._seen = self._seen, []
-        if not observations:
+            gauges, self._gauges = self._gauges, {}
+        if not observations and not gauges:
             return None
         stats = OffloadingConnectorStats()
         for kind, name, value, labels in observations:
             if kind == "counter":
                 stats.increase_counter(name, value, labels)
-            elif kind == "gauge":
-                stats.set_gauge(name, value, labels)
             else:
                 stats.observe_histogram(name, value, labels)
+        for (name, labels), value in gauges.items():
+            stats.set_gauge(name, value, labels)
         return stats

@@ -258,10 +258,11 @@ def test_stores_name_each_chunks_predecessor(
     for i, k in enumerate(keys):
         request.positions[bytes(k)] = 16 * (i + 1)
     request.positions[bytes(other_group)] = 8
-    assert tier.parents_of([bytes(keys[0]), bytes(keys[1])], request) == [None, bytes(keys[0])]
+    parents = tier._chains.parents
+    assert parents([bytes(keys[0]), bytes(keys[1])], request) == [None, bytes(keys[0])]
     # A later store of the same request: its first chunk follows the last one seen.
-    assert tier.parents_of([bytes(k) for k in keys[2:]], request) == [bytes(k) for k in keys[1:4]]
-    assert tier.parents_of([bytes(other_group)], request) is None
+    assert parents([bytes(k) for k in keys[2:]], request) == [bytes(k) for k in keys[1:4]]
+    assert parents([bytes(other_group)], request) is None
     tier.on_request_finished(request)  # type: ignore[arg-type]
-    assert tier.parents_of([bytes(keys[3])], request) is None  # forgotten, nothing before
-    assert tier.parents_of([bytes(keys[4])], request) == [bytes(keys[3])]
+    assert parents([bytes(keys[3])], request) is None  # forgotten, nothing before
+    assert parents([bytes(keys[4])], request) == [bytes(keys[3])]
