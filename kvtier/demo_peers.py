@@ -10,7 +10,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -21,7 +20,10 @@ from kvtier.agent.pool import Bytes
 from kvtier.agent.units import format_bytes
 from kvtier.demo import NAMESPACE, ROW_BYTES
 from kvtier.local_agent import AgentProcess, scratch_peer_config
+from kvtier.polling import wait_for
 from kvtier.workload import WorkloadShape, chunk_keys, conversation_turns, row_for
+
+WHAT = "the second node's agents settled"
 
 
 @dataclass
@@ -40,14 +42,6 @@ class PeerReport:
     seconds: float = 0.0
 
 
-def _wait(predicate: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the second node's agents did not settle")
-        time.sleep(0.05)
-
-
 def run_second_node(conversations: int = 3, turns: int = 4) -> PeerReport:
     shape = WorkloadShape()
     chats = list(conversation_turns(shape, 7, conversations, turns))
@@ -59,7 +53,7 @@ def run_second_node(conversations: int = 3, turns: int = 4) -> PeerReport:
             for name in ("node-a", "node-b")
         )
         with AgentProcess(a), AgentProcess(b):
-            _wait(lambda: len(list((scratch / "registry").glob("*.json"))) == 2)
+            wait_for(lambda: len(list((scratch / "registry").glob("*.json"))) == 2, 30.0, WHAT)
             time.sleep(1.0)  # both agents have read the membership
             stored = 0
             with AgentClient(a.endpoint) as engine_a:
@@ -67,7 +61,7 @@ def run_second_node(conversations: int = 3, turns: int = 4) -> PeerReport:
                     keys = chunk_keys(turn.prompt, shape.chunk_tokens)
                     rows = [row_for(k, ROW_BYTES) for k in keys]
                     stored += engine_a.store(NAMESPACE, keys, rows).stored
-                _wait(lambda: engine_a.stats().tiers[0].counts.writebacks >= stored)
+                wait_for(lambda: engine_a.stats().tiers[0].counts.writebacks >= stored, 30.0, WHAT)
             started = time.perf_counter()
             with AgentClient(b.endpoint) as engine_b:
                 buffers: list[Bytes] = []

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.agent.client import AgentClient
+from kvtier.agent.stats import AgentStats
+from kvtier.polling import wait_for
 
 NS = "model-a-fp16-b256"
 
@@ -21,16 +23,14 @@ def row(i: int, nbytes: int) -> np.ndarray:
     return (np.arange(nbytes, dtype=np.uint32) * 2654435761 + i).astype(np.uint8)
 
 
-def wait_settled(client: AgentClient, timeout: float = 10.0) -> dict[str, Any]:
-    """Wait until no slot is pinned (stores sealed, leases ended)."""
-    deadline = time.monotonic() + timeout
-    while True:
+def wait_settled(client: AgentClient, timeout: float = 10.0) -> AgentStats:
+    """Wait until no slot is pinned (stores sealed, leases ended); the stats then."""
+
+    def settled() -> AgentStats | None:
         stats = client.stats()
-        if stats.host.pinned_slots == 0 and stats.host.leases == 0:
-            return stats
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"agent not settled: {stats}")
-        time.sleep(0.02)
+        return stats if not (stats.host.pinned_slots or stats.host.leases) else None
+
+    return wait_for(settled, timeout, "agent settled (no pinned slot, no lease)")
 
 
 def store_and_verify(

@@ -11,9 +11,8 @@ from typing import Any
 from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.stats import TierStats
-from tests.agent_helpers import wait_for
-from tests.conftest import ROW
-from tests.helpers import NS, key, row
+from tests.agent_helpers import store, wait_for
+from tests.helpers import NS, key
 
 
 def node_config(
@@ -62,6 +61,6 @@ def shared_between(producer: str, consumer: AgentClient, ids: list[int]) -> None
     until the consumer's lookups find them all."""
     time.sleep(1.2)  # both agents have read the membership
     with AgentClient(producer) as client:
-        client.store(NS, [key(i) for i in ids], [row(i, ROW) for i in ids])
+        store(client, ids)
         wait_for(lambda: peer_stats(client).counts.writebacks == len(ids))
     wait_for(lambda: consumer.lookup(NS, [key(i) for i in ids]).prefix == len(ids))

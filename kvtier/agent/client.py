@@ -104,9 +104,6 @@ class StoreResult:
     skipped: int
 
 
-_NO_STAGING = p.StoreCode.STAGING_FULL
-
-
 def _report_parts(requests: list[Any]) -> list[list[Any]]:
     """Requests' digests in messages the agent accepts: at most MAX_KEYS keys (a request
     has at most that many) and MAX_KEYS requests in each; one empty part for none."""
@@ -523,7 +520,11 @@ class AgentClient:
                 if grant.lease:
                     ahead = (self._commit_ahead(grant.lease), grant.lease)
                 granted = sum(1 for s in grant.slots if s >= 0)
-                later = [i for i, s in zip(batch, grant.slots, strict=True) if s == _NO_STAGING]
+                later = [
+                    i
+                    for i, s in zip(batch, grant.slots, strict=True)
+                    if s == p.StoreCode.STAGING_FULL
+                ]
                 stored += granted
                 skipped += len(batch) - granted - len(later)
                 if later and not granted and ahead is None:  # others hold every staging slot

@@ -93,8 +93,7 @@ class FilesystemTier(BlobTier[FilesystemTierConfig]):
 
     def __init__(self, name: str, config: FilesystemTierConfig) -> None:
         super().__init__(name, config, f"{config.path}/")
-        self.root = config.path
-        self.root.mkdir(parents=True, exist_ok=True)
+        config.path.mkdir(parents=True, exist_ok=True)
         self._objects = 0
         self._next_scan = 0.0
         self._direct = config.direct_io and hasattr(os, "O_DIRECT")
@@ -210,7 +209,7 @@ class FilesystemTier(BlobTier[FilesystemTierConfig]):
         quarantined: list[_File] = []
         pending = 0
         now = time.time()
-        for dirpath, _dirnames, filenames in os.walk(self.root):
+        for dirpath, _dirnames, filenames in os.walk(self.config.path):
             in_quarantine = os.path.basename(dirpath) == QUARANTINE
             for name in filenames:
                 if name == "manifest.json":
@@ -236,7 +235,7 @@ class FilesystemTier(BlobTier[FilesystemTierConfig]):
 
     def _quarantine(self, path: Path) -> None:
         """Move a bad file aside (for inspection) so no agent reads it again."""
-        target = self.root / QUARANTINE / f"{path.name}-{uuid.uuid4().hex[:8]}"
+        target = self.config.path / QUARANTINE / f"{path.name}-{uuid.uuid4().hex[:8]}"
         try:
             target.parent.mkdir(exist_ok=True)
             os.rename(path, target)
@@ -247,7 +246,7 @@ class FilesystemTier(BlobTier[FilesystemTierConfig]):
         """A readable description of what a namespace directory holds, for operators.
         Checked on every write (one stat next to a multi-MiB write) because the directory
         may be removed under a running agent."""
-        directory = self.root / namespace_dir(namespace)
+        directory = self.config.path / namespace_dir(namespace)
         manifest = directory / "manifest.json"
         if not manifest.exists():
             directory.mkdir(parents=True, exist_ok=True)
