@@ -9,6 +9,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from kvtier.agent.pool_layout import DEFAULT_CHUNK_SIZE
 from tests.apiserver_rules import admit, load_crd, schema_of
 from tests.manifests import example_tier
 
@@ -69,7 +70,8 @@ def test_good_tier_is_admitted_with_defaults() -> None:
     stored, errors = admit(TIER, GOOD)
     assert errors == []
     spec = stored["spec"]
-    assert spec["host"]["chunkSize"] == "2Mi" and spec["targetContainer"] == "vllm"
+    # the default the operator and the CSI plugin assume when a stored spec lacks one
+    assert spec["host"]["chunkSize"] == DEFAULT_CHUNK_SIZE and spec["targetContainer"] == "vllm"
     assert spec["tiers"][0]["filesystem"]["lowWatermark"] == 0.8
     assert spec["tiers"][2]["peer"]["transports"] == ["nixl", "zmq"]
     assert spec["isolation"] == "shared"

@@ -14,6 +14,9 @@ SLOT_HEADER_BYTES = PAGE
 POOL_MAGIC = b"KVTPOOL1"
 POOL_VERSION = 2  # 2: slot generations
 STAMP_OFFSET = SLOT_HEADER_BYTES - 8
+# The KVCacheTier's default `host.chunkSize` (crds/kvcachetier.yaml): what the operator
+# configures agents with, and the CSI plugin sizes their volumes for, when the spec is silent.
+DEFAULT_CHUNK_SIZE = "2Mi"
 SUPERBLOCK = struct.Struct("<8sIIQQ")  # magic, version, header bytes, payload bytes, slots
 
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import grpc
 
 import kvtier
-from kvtier.agent.pool_layout import pool_geometry, tier_files_bytes
+from kvtier.agent.pool_layout import DEFAULT_CHUNK_SIZE, pool_geometry, tier_files_bytes
 from kvtier.agent.units import parse_bytes
 from kvtier.csi.messages import PACKAGE, SERVICES, message
 from kvtier.csi.volumes import HEADROOM, TierVolume, Volumes
@@ -97,7 +97,7 @@ def tier_volume(tiers: Tiers, context: dict[str, str]) -> TierVolume:
         )
     host = tier["spec"]["host"]
     size = tier_volume_bytes(
-        parse_bytes(host["capacity"]), parse_bytes(host.get("chunkSize", "2Mi"))
+        parse_bytes(host["capacity"]), parse_bytes(host.get("chunkSize", DEFAULT_CHUNK_SIZE))
     )
     return TierVolume(tier_dir(namespace, name), size, tier_group(namespace, name))
 

@@ -9,6 +9,7 @@ import hashlib
 from typing import Any
 
 from kvtier.agent.config import AgentConfig, ConfigError, parse_config
+from kvtier.agent.pool_layout import DEFAULT_CHUNK_SIZE
 from kvtier.agent.units import parse_bytes
 from kvtier.operator.names import (
     API_VERSION,
@@ -157,7 +158,7 @@ def build_agent_config(tier: Manifest, settings: OperatorSettings) -> AgentConfi
             "runDir": f"{settings.tier_mount}/run",
             "host": {
                 "capacity": host["capacity"],
-                "chunkBytes": host.get("chunkSize", "2Mi"),
+                "chunkBytes": host.get("chunkSize", DEFAULT_CHUNK_SIZE),
                 "policy": host.get("policy", "lru"),
                 "poolDir": f"{settings.tier_mount}/pool",
             },
