@@ -106,6 +106,15 @@ def test_the_key_secret_is_created_once_and_never_overwritten(
         actions, after = asyncio.run(reconcile(tier))
         assert actions == [] and after is not None and after["data"]["trusted.keys"] == "bmV3"
 
+        # Made by another pass between this pass's read and its create: the create is
+        # refused (409) and the Secret keeps its keys.
+        async def not_seen_yet(*_args: Any) -> None:
+            return None
+
+        monkeypatch.setattr("kvtier.operator.reconcile.fetch", not_seen_yet)
+        actions, raced = asyncio.run(reconcile(tier))
+        assert actions == [] and raced is not None and raced["data"] == after["data"]
+
 
 def test_a_spec_that_cannot_be_rendered_creates_no_secret(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
