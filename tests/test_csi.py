@@ -318,10 +318,9 @@ def test_an_agent_using_the_whole_capacity_fits_its_volume(node: Node) -> None:
     its runtime checks in it, starts and stores."""
     from kvtier.agent.client import AgentClient
     from kvtier.agent.runtime_checks import check_runtime
-    from kvtier.csi.volumes import HEADROOM
     from kvtier.local_agent import AgentProcess, scratch_config
 
-    assert tier_volume_bytes(256 << 20, 64 << 10) > (256 << 20) + HEADROOM  # staging, index
+    assert tier_volume_bytes(256 << 20, 64 << 10) > (256 << 20) + (64 << 10) * 64  # staging
     target = node.publish("pod-9", "team-c", "big")
     config = scratch_config(target, "big", "256Mi", "64Ki")
     check_runtime(config)

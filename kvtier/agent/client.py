@@ -152,6 +152,7 @@ class AgentClient:
         self._lock: ClientLock | None = None
         self.pool: PoolMap | None = None  # read-only: only the agent writes the pool
         self.staging: PoolMap | None = None  # where stores are written, for the agent to seal
+        self._boot = 0  # the agent process the staging map was made for
         self.index: TableReader | None = None
         self.hello: p.HelloReply | None = None
         self._reports: dict[str, list[npt.NDArray[np.uint64]]] = {}
@@ -182,18 +183,28 @@ class AgentClient:
             )
             path = Path(reply.pool)
             pool = self.pool
-            if pool is None or pool.path != path or pool.inode != path.stat().st_ino:
+            # A restarted agent may have made a new file, or resized this one in place (its
+            # tier's capacity changed): either is mapped anew, and so is the staging area,
+            # which every agent process sizes for itself.
+            announced = (reply.payload_bytes, reply.slot_count)
+            if (
+                pool is None
+                or pool.path != path
+                or pool.inode != path.stat().st_ino
+                or (pool.geometry.payload_bytes, pool.geometry.slot_count) != announced
+            ):
                 if pool is not None:
                     self.pool = None
                     pool.close()
                 pool = self.pool = PoolMap.open(path, writable=False)
             staged = staging_path(path)
             staging = self.staging
-            if staging is None or staging.inode != staged.stat().st_ino:
+            if staging is None or staging.inode != staged.stat().st_ino or self._boot != reply.boot:
                 if staging is not None:
                     self.staging = None
                     staging.close()
                 self.staging = PoolMap.open(staged)
+                self._boot = reply.boot
         except (AgentUnavailable, _NotRegistered):
             raise
         except (OSError, ValueError) as exc:

@@ -40,12 +40,13 @@ from kvtier.agent.events import EventBatch
 from kvtier.agent.index import Entry, HostIndex
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
-from kvtier.agent.pool import create_or_reuse, create_staging, staging_path
+from kvtier.agent.pool import open_staging, staging_path
 from kvtier.agent.pool_layout import (
     PoolGeometry,
     pool_geometry,
     staging_geometry,
 )
+from kvtier.agent.pool_resize import open_pool
 from kvtier.agent.protocol import StoreCode
 from kvtier.agent.shm_index import U64, TableWriter, index_path
 from kvtier.agent.stats import HostStats, PolicyStats, StoreSkip, StoreSkips, Tally
@@ -78,11 +79,19 @@ class HostTier:
         self.metrics = metrics
         self.lease_seconds = lease_seconds
         geometry = pool_geometry(config.capacity, config.chunk_bytes)
-        self.pool, reused = create_or_reuse(pool_path, geometry, populate=config.prefault)
+        self.pool, opened = open_pool(pool_path, geometry, populate=config.prefault)
         staging = staging_geometry(geometry)
-        self.staging = create_staging(staging_path(pool_path), staging, populate=config.prefault)
-        self._staging_free = list(range(staging.slot_count - 1, -1, -1))
-        self._staging_resting: list[tuple[float, int]] = []  # (until, staging slot)
+        self.staging = open_staging(staging_path(pool_path), staging, populate=config.prefault)
+        # A staging slot's stamp is the boot of the agent that lent it, 0 once it is free
+        # again: slots an earlier agent had lent may still be written by its clients, so
+        # they rest for a lease's length before this agent lends them; the others are free.
+        self._lender = boot or 1
+        lent = self.staging.generations() != 0
+        until = time.monotonic() + lease_seconds
+        self._staging_resting: list[tuple[float, int]] = [
+            (until, int(slot)) for slot in np.flatnonzero(lent)
+        ]  # (until, staging slot)
+        self._staging_free = [int(slot) for slot in np.flatnonzero(~lent)[::-1]]
         self._staged: dict[int, dict[int, int]] = {}  # store lease -> pool slot -> staging slot
         # Clients read it to answer lookups themselves; a fresh one per agent process (the
         # one it replaces is marked retired, so its readers reconnect).
@@ -102,7 +111,7 @@ class HostTier:
         self._on_sealed: Callable[[Entry], None] | None = None
         self._on_hits: Callable[[list[Entry]], None] | None = None
         self.corrupt = 0
-        if reused:
+        if opened.warm:
             self._reindex()
         # Copies of committed chunks into the pool, and checks of chunks a peer received
         # damaged, spread over the cores (numpy's copies and xxh3 release the GIL).
@@ -224,6 +233,7 @@ class HostTier:
                 if slot >= 0:
                     self._claim(slot, namespace, keys[i], generation)
                     staging[i] = staged[slot] = self._staging_free.pop()
+                    self.staging.set_generation(staging[i], self._lender)
             if lease:
                 self._staged[lease] = staged
         for slot in slots:
@@ -286,9 +296,13 @@ class HostTier:
         done with them, else after `rest_until` (the lease expired mid-copy)."""
         for staged in self._staged.pop(lease, {}).values():
             if rest_until is None:
-                self._staging_free.append(staged)
+                self._release_staging(staged)
             else:
                 self._staging_resting.append((rest_until, staged))
+
+    def _release_staging(self, staged: int) -> None:
+        self.staging.set_generation(staged, 0)
+        self._staging_free.append(staged)
 
     def abort(self, lease: int, client: str) -> None:
         with self._lock:
@@ -324,7 +338,9 @@ class HostTier:
             for gone in (*expired, *reclaimed):
                 self._free_staging(gone.id, now + self.lease_seconds)
             if self._staging_resting:
-                self._staging_free += [s for until, s in self._staging_resting if until <= now]
+                for until, staged in self._staging_resting:
+                    if until <= now:
+                        self._release_staging(staged)
                 self._staging_resting = [(u, s) for u, s in self._staging_resting if u > now]
         if expired:
             log.warning("released %d expired leases", len(expired))

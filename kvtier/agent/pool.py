@@ -26,7 +26,7 @@ from kvtier.agent.pool_layout import (
     SUPERBLOCK,
     PoolGeometry,
 )
-from kvtier.agent.shm_files import allocate, new_file
+from kvtier.agent.shm_files import new_file
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -87,6 +87,10 @@ class PoolMap:
     def generation(self, slot: int) -> int:
         return int(self._stamps[slot])
 
+    def generations(self) -> npt.NDArray[np.uint64]:
+        """Every slot's generation, as a copy."""
+        return self._stamps.copy()
+
     def set_generation(self, slot: int, generation: int) -> None:
         self._stamps[slot] = generation
 
@@ -119,34 +123,63 @@ def staging_path(pool_path: Path) -> Path:
     return pool_path.with_name(pool_path.name + ".staging")
 
 
-def create_staging(path: Path, geometry: PoolGeometry, populate: bool) -> PoolMap:
-    """A fresh staging area (its bytes never outlive the agent process that hands them out),
-    every page allocated before it is mapped, as for the pool."""
-    os.replace(new_file(path, geometry.file_bytes, STAGING_MODE, geometry.pack()), path)
-    return PoolMap(path, geometry, populate)
+def superblock_of(path: Path) -> PoolGeometry | None:
+    """The geometry the file at `path` says it has, or None (no file, not a pool)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(SUPERBLOCK.size)
+    except OSError:
+        return None
+    return PoolGeometry.unpack(raw.ljust(SUPERBLOCK.size, b"\0"))
 
 
 def reusable(path: Path, geometry: PoolGeometry) -> bool:
-    """Whether `path` holds a pool of exactly this geometry (a warm restart keeps it)."""
+    """Whether `path` holds a pool of exactly this geometry (a warm restart keeps it). A
+    file longer than its geometry is one whose resize stopped half-way: it is trimmed."""
     try:
-        with open(path, "rb") as f:
-            existing = PoolGeometry.unpack(f.read(SUPERBLOCK.size).ljust(SUPERBLOCK.size, b"\0"))
-        return existing == geometry and path.stat().st_size == geometry.file_bytes
+        size = path.stat().st_size
     except OSError:
         return False
+    return superblock_of(path) == geometry and size >= geometry.file_bytes
 
 
-def create_or_reuse(path: Path, geometry: PoolGeometry, populate: bool) -> tuple[PoolMap, bool]:
-    """Open the pool at `path` if it has this geometry (a warm restart), else create it anew.
-    Either way every page of the file is allocated (fallocate) before it is mapped: on a
-    tmpfs smaller than the pool, a sparse file maps fine and then kills whoever first touches
-    a page the filesystem cannot supply, with SIGBUS. Raises OSError (ENOSPC) instead.
+def resizable(path: Path, geometry: PoolGeometry) -> bool:
+    """Whether `path` holds a pool that can become one of `geometry` in place: the same slot
+    size, another slot count (the tier's capacity changed)."""
+    existing = superblock_of(path)
+    return existing is not None and existing.payload_bytes == geometry.payload_bytes
 
-    Returns the map and whether an existing pool was reused.
-    """
-    reused = reusable(path, geometry)
-    if reused:
-        allocate(path, geometry.file_bytes, POOL_MODE)  # an older agent's was group-writable
+
+def set_size(path: Path, geometry: PoolGeometry, mode: int) -> None:
+    """Make the file at `path` exactly `geometry`'s size and superblock, in place: grown by
+    allocating the new pages only (they read as zeros: free slots), shrunk by truncating.
+    The superblock is written between the two, so a resize stopped at any point leaves a
+    file that `reusable` or `resizable` takes up again: never a second copy beside it, which
+    a volume sized for one file has no room for."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.fchmod(fd, mode)
+        os.posix_fallocate(fd, 0, geometry.file_bytes)
+        os.pwrite(fd, geometry.pack(), 0)
+        if os.fstat(fd).st_size > geometry.file_bytes:
+            os.ftruncate(fd, geometry.file_bytes)
+    finally:
+        os.close(fd)
+
+
+def create(path: Path, geometry: PoolGeometry, mode: int) -> None:
+    """A fresh file of `geometry` at `path`, whatever was there: the old file is removed
+    first, so the volume needs room for one of them, not both."""
+    path.unlink(missing_ok=True)
+    os.replace(new_file(path, geometry.file_bytes, mode, geometry.pack()), path)
+
+
+def open_staging(path: Path, geometry: PoolGeometry, populate: bool) -> PoolMap:
+    """The staging area, sized in place: its bytes never outlive the agent process that
+    lends them, so an earlier one is reused as room, not as content, and its slots' stamps
+    say which ones that agent had lent (see HostTier)."""
+    if superblock_of(path) is not None:
+        set_size(path, geometry, STAGING_MODE)
     else:
-        os.replace(new_file(path, geometry.file_bytes, POOL_MODE, geometry.pack()), path)
-    return PoolMap(path, geometry, populate), reused
+        create(path, geometry, STAGING_MODE)
+    return PoolMap(path, geometry, populate)

@@ -103,3 +103,15 @@ def tier_files_bytes(geometry: PoolGeometry) -> int:
     tier's volume) must hold."""
     index = index_file_bytes(index_capacity(geometry.slot_count))
     return geometry.file_bytes + staging_geometry(geometry).file_bytes + index
+
+
+RUN_DIR_BYTES = 1 << 20  # the agent's socket and the clients' lock files: a margin, no data
+
+
+def tier_volume_bytes(geometry: PoolGeometry) -> int:
+    """The size of the tier's volume (made by the CSI plugin): the tier's files, the index
+    once more, since an agent publishes its index beside the one it retires (readers of the
+    earlier agent may still map that one), and the run directory. Pool and staging area are
+    resized in place (`pool_resize.py`), so no second copy of them is ever made."""
+    index = index_file_bytes(index_capacity(geometry.slot_count))
+    return tier_files_bytes(geometry) + index + RUN_DIR_BYTES

@@ -11,12 +11,11 @@ import tempfile
 from pathlib import Path
 
 from kvtier.agent.config import AgentConfig, ConfigError
-from kvtier.agent.pool import reusable, staging_path
+from kvtier.agent.pool import resizable, staging_path
 from kvtier.agent.pool_layout import (
     pool_geometry,
     tier_files_bytes,
 )
-from kvtier.agent.shm_index import index_path
 from kvtier.agent.units import format_bytes
 
 
@@ -54,9 +53,11 @@ def _check_pool_fits(config: AgentConfig) -> str | None:
     except OSError:
         return None  # the writable-directory check reports it
     free = st.f_bavail * st.f_frsize
-    free += _allocated(staging_path(pool)) + _allocated(index_path(pool))  # made afresh
-    if reusable(pool, geometry):
-        free += _allocated(pool)  # already allocated to the pool
+    # Resized in place (pool_resize.py, pool.open_staging), so what they hold counts as room;
+    # the index is made beside the one it replaces, which readers may still map.
+    free += _allocated(staging_path(pool))
+    if resizable(pool, geometry):
+        free += _allocated(pool)
     if free >= needed:
         return None
     return (

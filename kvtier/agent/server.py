@@ -62,7 +62,11 @@ class Agent:
         self.metrics = AgentMetrics()
         self.boot = secrets.randbits(31) + 1  # names this process in lease ids, generations
         self.host = HostTier(
-            config.host, config.pool_path, self.metrics, config.lease_timeout_seconds, self.boot
+            config.host,
+            config.pool_path,
+            self.metrics,
+            config.lease_timeout_seconds,
+            self.boot,
         )
         self.registry = make_registry(config.report)
         context = TierContext(self.host, self.registry, config.report.interval_seconds)

@@ -17,28 +17,17 @@ from pathlib import Path
 def new_file(path: Path, size: int, mode: int, header: bytes) -> Path:
     """A fresh file beside `path` (`<name>.new`) of `size` bytes, all allocated, with exactly
     `mode` and `header` at its start. The caller moves it over `path` (os.replace) once it is
-    ready, so a reader opens a whole file or the one it replaces; on failure it is removed."""
+    ready, so a reader opens a whole file or the one it replaces; on failure it is removed
+    (a `.new` left by a process killed meanwhile is truncated by the next one)."""
     target = path.with_name(path.name + ".new")
-    _allocate(target, os.O_CREAT | os.O_TRUNC, size, mode, header)
-    return target
-
-
-def allocate(path: Path, size: int, mode: int) -> None:
-    """The existing file at `path`, kept as it is, given exactly `mode` and every page of its
-    `size` bytes (a warm restart reuses the pool of an agent that may have set another mode)."""
-    _allocate(path, 0, size, mode, None)
-
-
-def _allocate(path: Path, create: int, size: int, mode: int, header: bytes | None) -> None:
-    fd = os.open(path, os.O_RDWR | create, mode)
+    fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode)
     try:
         os.fchmod(fd, mode)
         os.posix_fallocate(fd, 0, size)
-        if header is not None:
-            os.pwrite(fd, header, 0)
+        os.pwrite(fd, header, 0)
     except BaseException:
-        os.close(fd)
-        if create:
-            path.unlink(missing_ok=True)
+        target.unlink(missing_ok=True)
         raise
-    os.close(fd)
+    finally:
+        os.close(fd)
+    return target

@@ -19,10 +19,11 @@ from typing import Any, Protocol
 import grpc
 
 import kvtier
-from kvtier.agent.pool_layout import DEFAULT_CHUNK_SIZE, pool_geometry, tier_files_bytes
+from kvtier.agent.pool_layout import DEFAULT_CHUNK_SIZE, pool_geometry
+from kvtier.agent.pool_layout import tier_volume_bytes as files_volume_bytes
 from kvtier.agent.units import parse_bytes
 from kvtier.csi.messages import PACKAGE, SERVICES, message
-from kvtier.csi.volumes import HEADROOM, TierVolume, Volumes
+from kvtier.csi.volumes import TierVolume, Volumes
 from kvtier.operator.names import tier_dir, tier_group
 
 DRIVER = "csi.kvtier.io"
@@ -103,9 +104,9 @@ def tier_volume(tiers: Tiers, context: dict[str, str]) -> TierVolume:
 
 
 def tier_volume_bytes(capacity: int, chunk_bytes: int) -> int:
-    """The size of a tier's volume: its pool, staging area and published index, and room for
-    the socket, lock files and a pool being re-created."""
-    return tier_files_bytes(pool_geometry(capacity, chunk_bytes)) + HEADROOM
+    """The size of a tier's volume, for a host tier of `capacity` with chunks of
+    `chunk_bytes` (see pool_layout.tier_volume_bytes)."""
+    return files_volume_bytes(pool_geometry(capacity, chunk_bytes))
 
 
 class NodePlugin:
@@ -156,9 +157,23 @@ class NodePlugin:
         return message("NodeGetInfoResponse")(node_id=self.node_id)
 
     def sweep(self) -> list[str]:
-        """Frees the directories of deleted tiers once no pod mounts them."""
-        live = {tier_dir(ns, name) for ns, name in self.tiers.names()}
-        return self.volumes.sweep(live)
+        """Frees the directories of deleted tiers once no pod mounts them, and brings the
+        others to their tiers' sizes; returns the names of those freed."""
+        names = self.tiers.names()
+        freed = self.volumes.sweep({tier_dir(ns, name) for ns, name in names})
+        mounted = [
+            (ns, name)
+            for ns, name in names
+            if self.volumes.state_dir.joinpath(tier_dir(ns, name)).is_dir()
+        ]
+        live = []
+        for ns, name in mounted:
+            try:
+                live.append(tier_volume(self.tiers, {POD_NAMESPACE: ns, "tier": name}))
+            except Refused:
+                continue  # deleted meanwhile: the next sweep frees it
+        self.volumes.resize_live(live)
+        return freed
 
 
 def _handler(method: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:

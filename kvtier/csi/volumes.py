@@ -5,13 +5,17 @@ each pod of the tier, and freed when the tier is gone and no pod uses it any mor
 The tier directory belongs to root and the tier's group, with setgid directories and
 group-only modes: any uid holding the group (root, the agent's 65532, OpenShift's random
 uids) works in it, no other uid does, and files created in it keep the tier's group.
+
+Whatever the plugin finds at start is adopted, never cleared: tier tmpfs mounts and bind
+mounts from before a restart are the pools of running agents, and a directory kubelet gave
+the plugin (a hostPath) is a mount point that cannot be removed or renamed.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +34,6 @@ from kvtier.csi.mounts import (
 log = logging.getLogger("kvtier.csi")
 DIR_MODE = 0o2770  # setgid: what is created inside keeps the tier's group
 SUBDIRS = ("pool", "run")  # the agent's poolDir and runDir inside the volume
-HEADROOM = 64 << 20  # beyond the pool: the socket, lock files, a pool being re-created
 
 
 @dataclass(frozen=True)
@@ -56,11 +59,10 @@ class Volumes:
     def ensure(self, volume: TierVolume) -> Path:
         """The tier's tmpfs, mounted once per node; resized when the tier's size changed."""
         path = self.tier_path(volume)
-        options = f"size={volume.size_bytes},mode={DIR_MODE:o},uid=0,gid={volume.gid}"
         current = mount_at(path)
         if current is None:
             path.mkdir(mode=0o700, exist_ok=True)
-            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, options)
+            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, _options(volume))
             log.info(
                 "tier volume %s created (%d bytes, gid %d)",
                 volume.name,
@@ -68,13 +70,40 @@ class Volumes:
                 volume.gid,
             )
         elif f"size={volume.size_bytes // 1024}k" not in current.options:
-            mount("tmpfs", path, "tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV, options)
+            self._resize(path, volume)
         for sub in SUBDIRS:
             sub_path = path / sub
             sub_path.mkdir(exist_ok=True)
             os.chown(sub_path, 0, volume.gid)
             os.chmod(sub_path, DIR_MODE)
         return path
+
+    def _resize(self, path: Path, volume: TierVolume) -> None:
+        """A remount to the new size keeps the files. The kernel refuses to shrink a tmpfs
+        below what its files hold: the pool is shrunk by the agent that restarts with the
+        new capacity (in place), so until then the volume keeps its size and a later
+        publish or sweep shrinks it."""
+        try:
+            mount("tmpfs", path, "tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV, _options(volume))
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            log.info(
+                "tier volume %s stays larger than %d bytes until its agent shrinks its pool",
+                volume.name,
+                volume.size_bytes,
+            )
+            return
+        log.info("tier volume %s resized to %d bytes", volume.name, volume.size_bytes)
+
+    def resize_live(self, volumes: list[TierVolume]) -> None:
+        """Bring mounted tier volumes to their tiers' sizes (a shrink the kernel refused
+        earlier goes through once the agent has shrunk its pool)."""
+        for volume in volumes:
+            path = self.tier_path(volume)
+            current = mount_at(path)
+            if current is not None and f"size={volume.size_bytes // 1024}k" not in current.options:
+                self._resize(path, volume)
 
     def check_target(self, target: Path) -> Path:
         """Only paths under kubelet's pods directory are published to or unpublished."""
@@ -127,11 +156,25 @@ class Volumes:
         return freed
 
 
+def _options(volume: TierVolume) -> str:
+    return f"size={volume.size_bytes},mode={DIR_MODE:o},uid=0,gid={volume.gid}"
+
+
 def remove_legacy_pools(directory: Path) -> list[str]:
-    """Pools that earlier versions left in a node's /dev/shm/kvtier (a hostPath): removed,
-    with the directory, since nothing uses that path any more."""
+    """Pools that earlier versions left in a node's /dev/shm/kvtier (a hostPath): their files
+    removed, since nothing uses that path any more. The directory itself stays: kubelet
+    mounts a hostPath into the container, so it is a mount point (removing it fails with
+    EBUSY), and the next start finds it empty."""
     if not directory.is_dir():
         return []
-    removed = sorted(p.name for p in directory.iterdir())
-    shutil.rmtree(directory)
+    removed = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                continue  # no earlier version made directories here: not ours to remove
+            os.unlink(entry.path)
+        except OSError as exc:
+            log.warning("cannot remove legacy pool %s: %s", entry.path, exc)
+            continue
+        removed.append(entry.name)
     return removed
