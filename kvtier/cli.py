@@ -64,14 +64,51 @@ def _operator(args: argparse.Namespace) -> int:
         )
         return 2
 
-    import kvtier.operator.main  # noqa: F401  (registers the handlers)
+    import kvtier.operator.main  # registers the handlers
 
+    kvtier.operator.main.STATE.namespaces = tuple(args.namespace)  # what it serves, and releases
     kopf.configure(log_format=kopf.LogFormat.JSON, verbose=args.verbose)
     kopf.run(
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz",
     )
+    return 0
+
+
+def _release_finalizers(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from lightkube.config.kubeconfig import KubeConfig
+    from lightkube.core.exceptions import ConfigError as KubeConfigError
+
+    from kvtier.operator.uninstall import FINALIZER, release_all
+
+    err = sys.stderr
+    try:
+        KubeConfig.from_env()
+    except KubeConfigError as exc:
+        print(f"kvtier operator release-finalizers: no Kubernetes credentials ({exc})", file=err)
+        return 2
+    stop = None
+    if args.stop:
+        namespace, _, name = args.stop.rpartition("/")
+        if not namespace or not name:
+            print("--stop: give the operator's Deployment as NAMESPACE/NAME", file=err)
+            return 2
+        stop = (namespace, name)
+    report = asyncio.run(release_all(args.namespace, stop, args.timeout))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        if report["stopped"]:
+            print(f"stopped Deployment {report['stopped']}")
+        for tier in report["released"]:
+            print(f"removed {FINALIZER} from KVCacheTier {tier}")
+        for volume in report["deletedVolumes"]:
+            print(f"deleted PersistentVolume {volume} (its KVCacheTier is gone)")
+        if not report["released"] and not report["deletedVolumes"]:
+            print(f"no KVCacheTier holds {FINALIZER}; no PersistentVolume of a deleted tier left")
     return 0
 
 
@@ -173,6 +210,34 @@ def _operator_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--health-port", type=int, default=8080, help="liveness probe port")
     parser.add_argument("--verbose", action="store_true", help="log every watch event")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    release = actions.add_parser(
+        "release-finalizers",
+        help="after the operator is gone: let its tiers be deleted",
+        description="Remove the finalizer kvtier.io/operator from every KVCacheTier (of the "
+        "--namespace given, else of all namespaces), so tiers, and namespaces holding them, "
+        "can be deleted without an operator; and delete the NFS PersistentVolumes of tiers "
+        "that no longer exist. Run it when no operator runs (one would add the finalizer "
+        "again), or pass --stop to stop the operator's Deployment first, as the chart's "
+        "pre-delete hook does. Another controller's finalizers are left alone.",
+    )
+    release.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        help="only this namespace's tiers (repeatable; default: all namespaces)",
+    )
+    release.add_argument(
+        "--stop",
+        default=None,
+        metavar="NAMESPACE/NAME",
+        help="first scale this Deployment (the operator's) to 0 and wait for its pods to go",
+    )
+    release.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for --stop (default 120)"
+    )
+    release.add_argument("--json", action="store_true", help="print what was done as JSON")
+    release.set_defaults(func=_release_finalizers)
 
 
 def _vllm_config_arguments(parser: argparse.ArgumentParser) -> None:

@@ -63,9 +63,10 @@ class KubeEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             try:
                 request = await self._written(request)
             except fm.Conflict as exc:
-                return _status(409, "Conflict", str(exc))
+                return _plain_json(_status(409, "Conflict", str(exc)))
             except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
-                return _status(422, "Invalid", str(exc))
+                # a failed `test` op included: a real server answers 422 Unprocessable Entity
+                return _plain_json(_status(422, "Invalid", str(exc)))
             if isinstance(request, aiohttp.web.Response):
                 return _plain_json(request)
         return _plain_json(await super()._handle(request))

@@ -23,6 +23,21 @@ def running_operator(
 ) -> Iterator[int]:
     """Runs the operator (every namespace, or only `namespaces`) with one-second timers;
     yields its webhook port. Its log is `directory/operator.log`."""
+    with operator_process(kubeconfig, directory, namespaces) as (_, webhook_port):
+        yield webhook_port
+
+
+@contextlib.contextmanager
+def operator_process(
+    kubeconfig: Path,
+    directory: Path,
+    namespaces: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    log_name: str = "operator.log",
+) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """As `running_operator`, with more environment (`env`), yielding the process too, for
+    tests that stop it themselves (SIGTERM as a pod's deletion sends it, or SIGKILL); it is
+    stopped with SIGTERM at the end if still running."""
     webhook_port = free_port()
     env = {
         **os.environ,
@@ -31,18 +46,20 @@ def running_operator(
         "KVTIER_STATUS_INTERVAL_SECONDS": "1",
         "KVTIER_WEBHOOK_PORT": str(webhook_port),
         "KVTIER_IMAGE": IMAGE,
+        **(env or {}),
     }
     args = [str(Path(sys.executable).parent / "kvtier"), "operator"]
     args += ["--health-port", str(free_port())]
     for namespace in namespaces:
         args += ["--namespace", namespace]
-    with open(directory / "operator.log", "w") as log:
+    with open(directory / log_name, "w") as log:
         proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=directory)
         try:
             wait_port(webhook_port)
-            yield webhook_port
+            yield proc, webhook_port
         finally:
-            proc.terminate()
+            if proc.poll() is None:
+                proc.terminate()
             proc.wait(30)
 
 

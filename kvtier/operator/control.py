@@ -3,6 +3,8 @@ main.py only registers and delegates."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
 import logging
 from collections.abc import Iterable
@@ -12,11 +14,16 @@ import jsonpatch
 
 from kvtier.agent.config import ConfigError
 from kvtier.kube import FIELD_MANAGER, AsyncClient
-from kvtier.operator.builders import volume_labels
 from kvtier.operator.names import agent_name
 from kvtier.operator.reconcile import ensure_children, fetch
 from kvtier.operator.settings import OperatorSettings
 from kvtier.operator.status import aggregate, merge_conditions, transitions
+from kvtier.operator.uninstall import (
+    FINALIZER,
+    delete_tier_volumes,
+    release_finalizers,
+    sweep_orphan_volumes,
+)
 from kvtier.operator.webhook import mutate_pod, selects
 
 Manifest = dict[str, Any]
@@ -33,6 +40,9 @@ class State:
         # The generation of each tier's spec last acted on (children applied or the spec
         # refused): what status.observedGeneration reports, per Kubernetes' API conventions.
         self.observed: dict[tuple[str, str], int] = {}
+        # The namespaces it serves (empty: all), as `kvtier operator --namespace` names them.
+        self.namespaces: tuple[str, ...] = ()
+        self.sweeper: asyncio.Task[None] | None = None
 
     @property
     def client(self) -> AsyncClient:
@@ -65,14 +75,44 @@ async def reconcile_tier(state: State, tier: Manifest, logger: logging.Logger) -
 
 async def release_tier(state: State, tier: Manifest, logger: logging.Logger) -> None:
     """What garbage collection cannot do: the tier's cluster-wide PersistentVolumes (NFS
-    exports) have no owner reference to it, so they are deleted by their labels."""
-    from lightkube.resources.core_v1 import PersistentVolume
+    exports) have no owner reference to it, so they are deleted by their labels. A tier
+    deleted while no operator ran loses them in `sweep_volumes` instead."""
+    meta = tier["metadata"]
+    for name in await delete_tier_volumes(state.client, meta["namespace"], meta["name"]):
+        logger.info("deleted PersistentVolume %s", name)
 
-    async for volume in state.client.list(PersistentVolume, labels=dict(volume_labels(tier))):
-        name = volume.metadata.name if volume.metadata else None
-        if name:
-            await state.client.delete(PersistentVolume, name)
-            logger.info("deleted PersistentVolume %s", name)
+
+async def sweep_volumes(state: State, logger: logging.Logger) -> None:
+    """Runs for the operator's lifetime: at start and then every reconcile interval, deletes
+    the PersistentVolumes of tiers that no longer exist (level-based, so no finalizer is
+    needed for them to go). A failed pass is logged and tried again on the next."""
+    while True:
+        try:
+            for name in await sweep_orphan_volumes(state.client, state.namespaces):
+                logger.info("deleted PersistentVolume %s: its KVCacheTier is gone", name)
+        except Exception as exc:  # an API error or an unreachable server: the next pass
+            logger.warning("sweeping PersistentVolumes of deleted tiers failed: %s", exc)
+        await asyncio.sleep(state.settings.reconcile_interval_seconds)
+
+
+async def shutdown(state: State, logger: logging.Logger) -> None:
+    """On a graceful stop: stop sweeping, then remove kvtier's finalizer from every tier this
+    operator serves, so a tier deleted while no operator runs is deleted at once (its owned
+    children by garbage collection, its volumes by the next operator's sweep). A replica
+    still running, or the next operator, adds the finalizer again when it sees the tier.
+    Errors are logged, never raised: the operator must still stop."""
+    if state.sweeper is not None:
+        state.sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await state.sweeper
+        state.sweeper = None
+    try:
+        released = await release_finalizers(state.client, state.namespaces)
+    except Exception as exc:
+        logger.warning("could not remove the finalizer %s from the tiers: %s", FINALIZER, exc)
+    else:
+        if released:
+            logger.info("removed the finalizer %s from %s", FINALIZER, ", ".join(released))
 
 
 async def desired_agents(state: State, tier: Manifest) -> int:

@@ -5,6 +5,7 @@ Run with `kvtier operator` (which calls kopf) in the operator's Deployment.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from typing import Any
 
@@ -13,6 +14,7 @@ import kopf
 from kvtier.operator import control
 from kvtier.operator.names import GROUP, VERSION
 from kvtier.operator.settings import OperatorSettings
+from kvtier.operator.uninstall import FINALIZER
 from kvtier.operator.webhook import INJECTED
 from kvtier.operator.webhook import TIER as TIER_ANNOTATION
 
@@ -23,7 +25,7 @@ NODES = (GROUP, VERSION, "kvcachenodes")
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    settings.persistence.finalizer = f"{GROUP}/operator"
+    settings.persistence.finalizer = FINALIZER  # removed again on a graceful stop (close)
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     ours = STATE.settings
@@ -41,8 +43,17 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
 
 
+@kopf.on.startup()
+async def start_sweeping(logger: Any, **_: Any) -> None:
+    """PersistentVolumes of tiers deleted while no operator ran go now and on every interval."""
+    STATE.sweeper = asyncio.create_task(control.sweep_volumes(STATE, logger))
+
+
 @kopf.on.cleanup()
-async def close(**_: Any) -> None:
+async def close(logger: Any, **_: Any) -> None:
+    """kopf runs this after its watches stopped: no tier gets the finalizer again from this
+    process once `shutdown` removed it (docs/uninstall.md)."""
+    await control.shutdown(STATE, logger)
     await STATE.close()
 
 
