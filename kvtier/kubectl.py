@@ -52,13 +52,23 @@ def _fresh(status: NodeStatus, now: dt.datetime) -> bool:
     return beat is not None and (now - beat).total_seconds() <= STALE_SECONDS
 
 
+def _why(entry: dict[str, Any]) -> str:
+    """An entry of the tier's status.agents as `Reason: message`."""
+    reason, message = entry.get("reason", ""), entry.get("message", "")
+    return f"{reason}: {message}" if message else str(reason)
+
+
 def collect_status(namespace: str | None) -> dict[str, Any]:
+    """Per tier, its agents by node: each KVCacheNode's report, and the reason the operator
+    found (status.agents) for an agent that is not running; an agent that never reported
+    (an unschedulable or crash-looping pod) is a row with its reason only."""
     with _client() as client:
         tiers, nodes = _tiers_and_nodes(client, namespace)
     now = dt.datetime.now(dt.UTC)
     report = []
     for tier in tiers:
         meta, status = tier["metadata"], tier.get("status") or {}
+        why = {str(a.get("node")): _why(a) for a in status.get("agents") or []}
         agents = []
         for node in nodes:
             if node["metadata"]["namespace"] != meta["namespace"]:
@@ -66,23 +76,46 @@ def collect_status(namespace: str | None) -> dict[str, Any]:
             if node["spec"].get("tier") != meta["name"]:
                 continue
             ns = read_node_status(node)
+            name = node["spec"]["node"]
             agents.append(
                 {
-                    "node": node["spec"]["node"],
-                    "ready": _fresh(ns, now),
+                    "node": name,
+                    "ready": _fresh(ns, now) and name not in why,
+                    "reason": why.get(name, ""),
                     "tiers": ns.to_manifest()["tiers"],
                     "hitRate": ns.hit_rate,
                     "peers": ns.peers,
                     "fingerprints": ns.fingerprints,
                 }
             )
+        reported = {a["node"] for a in agents}
+        agents += [
+            {
+                "node": name,
+                "ready": False,
+                "reason": reason,
+                "tiers": [],
+                "hitRate": None,
+                "peers": [],
+                "fingerprints": [],
+            }
+            for name, reason in why.items()
+            if name not in reported
+        ]
+        conditions = status.get("conditions", [])
         report.append(
             {
                 "namespace": meta["namespace"],
                 "name": meta["name"],
-                "conditions": {c["type"]: c["status"] for c in status.get("conditions", [])},
+                "conditions": {c["type"]: c["status"] for c in conditions},
+                # what a condition that is not True says, e.g. AgentsReady's reasons
+                "messages": {
+                    c["type"]: c["message"]
+                    for c in conditions
+                    if c.get("message") and c["status"] != "True"
+                },
                 "summary": status.get("summary", {}),
-                "agents": agents,
+                "agents": sorted(agents, key=lambda a: str(a["node"])),
             }
         )
     return {"tiers": report}
@@ -94,18 +127,30 @@ def render_status(report: dict[str, Any], console: Console) -> None:
     for tier in report["tiers"]:
         conditions = ", ".join(f"{k}={v}" for k, v in tier["conditions"].items())
         console.print(f"[bold]{tier['namespace']}/{tier['name']}[/bold]  {conditions}")
+        for kind in ("ConfigValid", "AgentsReady"):
+            if kind in tier.get("messages", {}):
+                console.print(f"  {kind}: {tier['messages'][kind]}", markup=False)
+        if not tier["agents"]:
+            continue  # AgentsReady above says why there is none
         table = Table()
-        for col in ("node", "ready", "tier", "used/capacity", "hit rate", "peers", "fingerprints"):
+        columns = ("node", "ready", "reason", "tier", "used/capacity", "hit rate", "peers")
+        for col in (*columns, "fingerprints"):
             table.add_column(col)
         for agent in tier["agents"]:
             rate = f"{agent['hitRate']:.0%}" if agent["hitRate"] is not None else "-"
             for i, t in enumerate(agent["tiers"] or [{}]):
+                used = (
+                    f"{format_bytes(t.get('usedBytes', 0))}/"
+                    f"{format_bytes(t.get('capacityBytes', 0))}"
+                    if t
+                    else "-"
+                )
                 table.add_row(
                     agent["node"] if i == 0 else "",
                     str(agent["ready"]) if i == 0 else "",
+                    agent.get("reason", "") if i == 0 else "",
                     t.get("name", "-"),
-                    f"{format_bytes(t.get('usedBytes', 0))}/"
-                    f"{format_bytes(t.get('capacityBytes', 0))}",
+                    used,
                     rate if i == 0 else "",
                     str(len(agent["peers"])) if i == 0 else "",
                     ", ".join(agent["fingerprints"]) if i == 0 else "",
@@ -141,8 +186,20 @@ def _tier_reasons(tier: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def _agent_reasons(nodes: list[Any], tier_name: str, node_name: str | None) -> list[str]:
-    """Whether the pod's node has an agent of the tier reporting."""
+def _agent_reasons(nodes: list[Any], tier: dict[str, Any], node_name: str | None) -> list[str]:
+    """Whether the pod's node has an agent of the tier reporting, and if not, why not as the
+    operator found it (the agent pod unschedulable, crash-looping, ...)."""
+    tier_name = str(tier["metadata"]["name"])
+    down = next(
+        (
+            a
+            for a in (tier.get("status") or {}).get("agents") or []
+            if a.get("node") == node_name and a.get("reason") != "TierFailing"
+        ),
+        None,
+    )
+    if down is not None:
+        return [f"agent down: the agent of {tier_name} on {node_name}: {_why(down)}"]
     agent = next(
         (
             n
@@ -190,7 +247,7 @@ def explain_miss(namespace: str, pod_name: str) -> dict[str, Any]:
             "reasons": [f"injected for KVCacheTier {tier_name}, which no longer exists"],
         }
     node_name = pod["spec"].get("nodeName")
-    reasons = _tier_reasons(tier) + _agent_reasons(nodes, str(tier_name), node_name)
+    reasons = _tier_reasons(tier) + _agent_reasons(nodes, tier, node_name)
     if not reasons:
         reasons.append(
             "injected and the agent is up: misses are chunks no engine stored yet "

@@ -138,3 +138,76 @@ def test_status_per_node_and_tier(api: KubeAPI) -> None:
 def test_explain_miss(api: KubeAPI, pod: str, expected: str) -> None:
     result = kubectl_kvtier(api, "explain-miss", pod, "-n", NS)
     assert any(expected in reason for reason in result["reasons"]), result
+
+
+def test_status_names_the_node_and_reason_of_an_agent_that_never_reported(api: KubeAPI) -> None:
+    """An unschedulable agent writes no KVCacheNode: the row comes from the operator's
+    status.agents, with the scheduler's reason, not an empty table."""
+    namespace = "edge"
+    message = (
+        "0/1 nodes are available: 1 Insufficient memory "
+        "(agent requests 64.5Gi: host.capacity 64Gi + 512Mi)"
+    )
+    agents_ready = f"1/1 agents not running: node-a: Unschedulable: {message}"
+    api.create(
+        f"{GROUP}/namespaces/{namespace}/kvcachetiers",
+        {
+            "apiVersion": "kvtier.io/v1alpha1",
+            "kind": "KVCacheTier",
+            "metadata": {"name": "small", "namespace": namespace},
+            "spec": {"podSelector": {"matchLabels": {"app": "vllm"}}, "host": {"capacity": "64Gi"}},
+            "status": {
+                "conditions": [
+                    {
+                        "type": "AgentsReady",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": agents_ready,
+                    }
+                ],
+                "agents": [
+                    {
+                        "node": "node-a",
+                        "pod": "kvtier-small-x7k2p",
+                        "phase": "Pending",
+                        "reason": "Unschedulable",
+                        "message": message,
+                    }
+                ],
+            },
+        },
+    )
+    (tier,) = kubectl_kvtier(api, "status", "-n", namespace)["tiers"]
+    (agent,) = tier["agents"]
+    assert agent["node"] == "node-a" and agent["ready"] is False
+    assert agent["reason"] == f"Unschedulable: {message}"
+    assert tier["messages"]["AgentsReady"] == agents_ready
+    table = subprocess.run(
+        [str(Path(sys.executable).parent / "kubectl-kvtier"), "status", "-n", namespace],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KUBECONFIG": str(api.kubeconfig), "COLUMNS": "400"},
+    )
+    assert table.returncode == 0, table.stderr
+    row = next(line for line in table.stdout.splitlines() if "node-a" in line and "│" in line)
+    assert "Unschedulable: 0/1 nodes are available" in row
+    api.request(
+        "POST",
+        f"/api/v1/namespaces/{namespace}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "vllm-0",
+                "namespace": namespace,
+                "labels": {"app": "vllm"},
+                "annotations": {"kvtier.io/tier": "small", "kvtier.io/injected": "{}"},
+            },
+            "spec": {"nodeName": "node-a", "containers": [{"name": "vllm", "image": "x"}]},
+        },
+    )
+    result = kubectl_kvtier(api, "explain-miss", "vllm-0", "-n", namespace)
+    assert (
+        f"agent down: the agent of small on node-a: Unschedulable: {message}" in result["reasons"]
+    )

@@ -162,7 +162,7 @@ def test_status_aggregates_nodes_and_conditions() -> None:
         "ConfigValid": "True",
         "AgentsReady": "False",
         "FingerprintConflict": "False",
-        "TiersHealthy": "True",
+        "TiersHealthy": "False",  # a desired agent without a fresh report runs no tier
         "Ready": "False",
     }
 
@@ -187,7 +187,7 @@ def test_conditions_keep_transition_time_and_report_changes() -> None:
     assert all(c["lastTransitionTime"] == "2026-11-29T12:00:00Z" for c in merged)
     assert transitions(old, same) == []
     down = aggregate([node_report(0, FRESH)], 1, later, 60)["conditions"]
-    assert {c["type"] for c in transitions(old, down)} == {"AgentsReady", "Ready"}
+    assert {c["type"] for c in transitions(old, down)} == {"AgentsReady", "TiersHealthy", "Ready"}
 
 
 def test_a_thousand_nodes_aggregate_in_one_pass() -> None:

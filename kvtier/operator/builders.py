@@ -260,12 +260,14 @@ def _tier_volumes(tier: Manifest) -> tuple[list[Manifest], list[Manifest]]:
 
 def agent_resources(spec: Manifest) -> Manifest:
     """The pool lives on tmpfs and is charged to the agent's memory cgroup, so the agent
-    requests (and is limited to) the pool plus a fixed overhead, unless told otherwise."""
+    requests (and is limited to) the pool plus a fixed overhead, unless told otherwise.
+    Its CPU request is small (an agent mostly waits on its socket) and unlimited, so it fits
+    beside the engines on any node; docs/sizing.md says when to raise it."""
     given = spec.get("agent", {}).get("resources")
     if given:
         return dict(given)
     memory = str(parse_bytes(spec["host"]["capacity"]) + MEMORY_OVERHEAD)
-    return {"requests": {"cpu": "500m", "memory": memory}, "limits": {"memory": memory}}
+    return {"requests": {"cpu": "100m", "memory": memory}, "limits": {"memory": memory}}
 
 
 def _agent_container(
@@ -290,6 +292,9 @@ def _agent_container(
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         ],
         "resources": agent_resources(spec),
+        # A crash-looping agent's last log lines (e.g. the S3 error it stopped on) in its
+        # status, lastState.terminated.message, where the operator reads its reason.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "readinessProbe": {
             "httpGet": {"path": "/metrics", "port": "metrics"},
             "periodSeconds": 5,

@@ -7,13 +7,15 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import jsonpatch
 
 from kvtier.agent.config import ConfigError
-from kvtier.kube import FIELD_MANAGER, AsyncClient
+from kvtier.kube import FIELD_MANAGER, ApiError, AsyncClient, as_dict
+from kvtier.operator import diagnosis
 from kvtier.operator.names import agent_name
 from kvtier.operator.reconcile import ensure_children, fetch
 from kvtier.operator.settings import OperatorSettings
@@ -40,6 +42,10 @@ class State:
         # The generation of each tier's spec last acted on (children applied or the spec
         # refused): what status.observedGeneration reports, per Kubernetes' API conventions.
         self.observed: dict[tuple[str, str], int] = {}
+        # Per tier: (generation, monotonic time, warning) of the last look at the nodes'
+        # allocatable memory, so nodes are listed once per reconcile interval and a
+        # warning becomes one event, not one per status interval.
+        self.capacity_checked: dict[tuple[str, str], tuple[int, float, str | None]] = {}
         # The namespaces it serves (empty: all), as `kvtier operator --namespace` names them.
         self.namespaces: tuple[str, ...] = ()
         self.sweeper: asyncio.Task[None] | None = None
@@ -115,22 +121,91 @@ async def shutdown(state: State, logger: logging.Logger) -> None:
             logger.info("removed the finalizer %s from %s", FINALIZER, ", ".join(released))
 
 
-async def desired_agents(state: State, tier: Manifest) -> int:
-    """How many nodes should run an agent, as the DaemonSet controller says."""
+async def desired_agents(state: State, tier: Manifest) -> int | None:
+    """How many nodes should run an agent, as the DaemonSet controller says; None until it
+    has counted them (no DaemonSet yet, or a status it has not written: the API server
+    shows a new DaemonSet's counts as zeros, and only `observedGeneration` tells them from
+    a count of none)."""
     meta = tier["metadata"]
     current = await fetch(
         state.client, "apps/v1", "DaemonSet", meta["namespace"], agent_name(meta["name"])
     )
-    return int(((current or {}).get("status") or {}).get("desiredNumberScheduled", 0))
+    status = (current or {}).get("status") or {}
+    desired = int(status.get("desiredNumberScheduled") or 0)
+    if desired == 0 and "observedGeneration" not in status:
+        return None
+    return desired
+
+
+async def pod_events(
+    state: State, pods: Iterable[Manifest], logger: logging.Logger
+) -> list[Manifest]:
+    """The Warning events of the agent pods whose status leaves their reason to events
+    (ContainerCreating on a missing Secret, a failing readiness probe), the first
+    diagnosis.LIMIT by node: one list per such pod, by its uid, so a namespace's other
+    events are never read. Without the permission (an older chart) the reasons come from
+    the pods alone."""
+    from lightkube.resources.core_v1 import Event
+
+    current = sorted(diagnosis.current_pods(pods).items())
+    chosen = [pod for _, pod in current if diagnosis.wants_events(pod)][: diagnosis.LIMIT]
+    events: list[Manifest] = []
+    for pod in chosen:
+        meta = pod.get("metadata") or {}
+        if not meta.get("uid") or not meta.get("namespace"):
+            continue
+        selector = {"involvedObject.uid": meta["uid"], "type": "Warning"}
+        try:
+            async for event in state.client.list(
+                Event, namespace=meta["namespace"], fields=selector
+            ):
+                events.append(as_dict(event))
+        except ApiError as exc:
+            logger.warning("cannot list the events of pod %s: %s", meta.get("name"), exc)
+            break
+    return events
+
+
+async def capacity_warning(
+    state: State, tier: Manifest, logger: logging.Logger, now: float | None = None
+) -> str | None:
+    """A warning to emit when the agent requests more memory than any selected node can
+    allocate (diagnosis.capacity_warning), once per new finding. The nodes are listed by
+    the tier's nodeSelector, at most once per reconcile interval or spec change."""
+    from lightkube.resources.core_v1 import Node
+
+    meta = tier["metadata"]
+    key = (meta["namespace"], meta["name"])
+    generation = int(meta.get("generation", 0))
+    now = time.monotonic() if now is None else now
+    checked = state.capacity_checked.get(key)
+    if (
+        checked is not None
+        and checked[0] == generation
+        and now - checked[1] < state.settings.reconcile_interval_seconds
+    ):
+        return None
+    selector = dict(tier["spec"].get("nodeSelector") or {})
+    try:
+        nodes = [as_dict(n) async for n in state.client.list(Node, labels=selector or None)]
+    except ApiError as exc:
+        logger.warning("cannot list nodes to compare with host.capacity: %s", exc)
+        return None
+    warning = diagnosis.capacity_warning(tier["spec"], nodes)
+    state.capacity_checked[key] = (generation, now, warning)
+    previous = checked[2] if checked is not None else None
+    return warning if warning is not None and warning != previous else None
 
 
 def next_status(
     state: State,
     tier: Manifest,
     reports: Iterable[Manifest],
-    desired: int,
+    desired: int | None,
     now: dt.datetime,
     injected_pods: int = 0,
+    pods: Iterable[Manifest] | None = None,
+    events: Iterable[Manifest] = (),
 ) -> tuple[Manifest | None, list[Manifest]]:
     """The status to write (None when nothing changed) and the condition transitions. Its
     observedGeneration, and each condition's, is the generation last reconciled (by this
@@ -146,6 +221,9 @@ def next_status(
         state.settings.heartbeat_timeout_seconds,
         config_error=state.config_errors.get(key),
         injected_pods=injected_pods,
+        pods=pods,
+        events=events,
+        spec=tier.get("spec"),
     )
     old_conditions = list(current.get("conditions") or [])
     stamped = [{**c, "observedGeneration": observed} for c in new["conditions"]]

@@ -12,8 +12,9 @@ from typing import Any
 import kopf
 
 from kvtier.operator import control
-from kvtier.operator.names import GROUP, VERSION
+from kvtier.operator.names import GROUP, MANAGED_BY, VERSION
 from kvtier.operator.settings import OperatorSettings
+from kvtier.operator.status import event_type
 from kvtier.operator.uninstall import FINALIZER
 from kvtier.operator.webhook import INJECTED
 from kvtier.operator.webhook import TIER as TIER_ANNOTATION
@@ -74,6 +75,28 @@ def injected(*, namespace: str | None, annotations: Any, **_: Any) -> Any:
     return {(namespace, annotations.get(TIER_ANNOTATION)): True}
 
 
+@kopf.index(
+    "",
+    "v1",
+    "pods",
+    labels={"app.kubernetes.io/name": "kvtier-agent", "app.kubernetes.io/managed-by": MANAGED_BY},
+)
+def agent_pods(
+    *, namespace: str | None, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, **_: Any
+) -> Any:
+    """The agent pods by tier, from the pod watch kopf already keeps (no list per status
+    interval): only what says where a pod runs and why it does not."""
+    labels = dict(meta.get("labels") or {})
+    kept = ("name", "namespace", "uid", "creationTimestamp", "deletionTimestamp", "labels")
+    return {
+        (namespace, labels.get(f"{GROUP}/tier")): {
+            "metadata": {k: meta[k] for k in kept if meta.get(k) is not None},
+            "spec": {k: spec[k] for k in ("nodeName", "affinity") if spec.get(k) is not None},
+            "status": dict(status),
+        }
+    }
+
+
 @kopf.index(*TIERS)
 def tiers(*, namespace: str | None, body: kopf.Body, **_: Any) -> Any:
     return {namespace: dict(body)}
@@ -97,14 +120,18 @@ async def report_status(
     *,
     body: kopf.Body,
     patch: kopf.Patch,
+    logger: Any,
     reports: kopf.Index[Any, Any] | None = None,
     injected: kopf.Index[Any, Any] | None = None,
+    agent_pods: kopf.Index[Any, Any] | None = None,
     **_: Any,
 ) -> None:
-    assert reports is not None and injected is not None  # kopf passes indexes by name
+    # kopf passes indexes by name
+    assert reports is not None and injected is not None and agent_pods is not None
     tier = dict(body)
     key = (tier["metadata"]["namespace"], tier["metadata"]["name"])
     desired = await control.desired_agents(STATE, tier)
+    pods = list(agent_pods.get(key, []))
     new, changed = control.next_status(
         STATE,
         tier,
@@ -112,21 +139,20 @@ async def report_status(
         desired,
         dt.datetime.now(dt.UTC),
         injected_pods=len(list(injected.get(key, []))),
+        pods=pods,
+        events=await control.pod_events(STATE, pods, logger),
     )
     if new is not None:
         patch.status.update(new)
     for condition in changed:
-        kind = (
-            "Normal"
-            if (condition["status"] == "True") != (condition["type"] == "FingerprintConflict")
-            else "Warning"
-        )
         kopf.event(
             body,
-            type=kind,
+            type=event_type(condition),
             reason=f"{condition['type']}{condition['status']}",
             message=condition.get("message") or condition["type"],
         )
+    if (warning := await control.capacity_warning(STATE, tier, logger)) is not None:
+        kopf.event(body, type="Warning", reason="CapacityExceedsNodes", message=warning)
 
 
 @kopf.on.mutate("", "v1", "pods", operation="CREATE", id="kvtier-inject")
