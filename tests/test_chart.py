@@ -86,9 +86,10 @@ def test_rbac_is_least_privilege() -> None:
         # It deletes only the NFS PersistentVolumes it made (no owner can collect them).
         assert "delete" not in rule["verbs"] or rule["resources"] == ["persistentvolumes"]
     secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
-    # Secrets are read by name and created (a peer tier's CURVE keys), never listed,
-    # watched, updated or deleted.
-    assert secrets and all(set(r["verbs"]) <= {"get", "create"} for r in secrets)
+    # Secrets are only created (a peer tier's CURVE keys, of the one shape the chart's
+    # admission policy admits: test_chart_access.py), never read, listed, watched, updated
+    # or deleted.
+    assert secrets and all(set(r["verbs"]) == {"create"} for r in secrets)
     csi = by_kind(render(), "ClusterRole", "kv-kvtier-csi")
     assert csi["rules"] == [
         {"apiGroups": ["kvtier.io"], "resources": ["kvcachetiers"], "verbs": ["get", "list"]}

@@ -76,7 +76,11 @@ def node_report(name: str, beat: dt.datetime, used: int) -> dict[str, Any]:
 
 
 def tier_status(api: KubeAPI) -> dict[str, Any]:
-    body = get(api, f"{TIERS}/llama")
+    return tier_status_of(api, "llama")
+
+
+def tier_status_of(api: KubeAPI, name: str) -> dict[str, Any]:
+    body = get(api, f"{TIERS}/{name}")
     return dict((body or {}).get("status") or {})
 
 
@@ -159,21 +163,14 @@ def test_node_reports_do_not_mean_one_status_write_each(
     assert len(writes) <= 2 * (elapsed + 2) < 200, (len(writes), elapsed)
 
 
-def test_missing_secret_is_reported_with_an_event_and_nothing_created(
+def test_missing_claim_is_reported_with_an_event_and_nothing_created(
     cluster: tuple[KubeAPI, int], tier: dict[str, Any]
 ) -> None:
     api, _ = cluster
     broken = copy.deepcopy(TIER)
     broken["metadata"]["name"] = "broken"
     broken["spec"]["tiers"] = [
-        {
-            "name": "s3",
-            "objectStore": {
-                "bucket": "kv-cache",
-                "capacity": "1Ti",
-                "credentialsSecret": {"name": "no-such-secret"},
-            },
-        }
+        {"name": "fs", "filesystem": {"pvc": {"claimName": "no-such-claim"}, "capacity": "1Ti"}}
     ]
     assert api.request("POST", TIERS, broken)[0] in (200, 201)
 
@@ -187,8 +184,8 @@ def test_missing_secret_is_reported_with_an_event_and_nothing_created(
         )
 
     condition = wait_for(invalid)
-    assert condition["message"].startswith("spec.tiers[0].objectStore.credentialsSecret:")
-    assert "no-such-secret" in condition["message"]
+    assert condition["message"].startswith("spec.tiers[0].filesystem.pvc:")
+    assert "no-such-claim" in condition["message"]
     assert get(api, f"/apis/apps/v1/namespaces/{NS}/daemonsets/kvtier-broken") is None
 
     def warned() -> bool:
@@ -200,6 +197,37 @@ def test_missing_secret_is_reported_with_an_event_and_nothing_created(
         )
 
     wait_for(warned)
+
+
+def test_a_named_secret_is_not_read_by_the_operator(
+    cluster: tuple[KubeAPI, int], tier: dict[str, Any]
+) -> None:
+    """The operator may not read Secrets (charts/kvtier/templates/rbac.yaml): a tier naming
+    one that does not exist gets its agents, whose pods then fail to mount it, which the
+    agents' condition reports, not ConfigValid."""
+    api, _ = cluster
+    s3 = copy.deepcopy(TIER)
+    s3["metadata"]["name"] = "s3"
+    s3["spec"]["tiers"] = [
+        {
+            "name": "s3",
+            "objectStore": {
+                "bucket": "kv-cache",
+                "capacity": "1Ti",
+                "credentialsSecret": {"name": "no-such-secret"},
+            },
+        }
+    ]
+    assert api.request("POST", TIERS, s3)[0] in (200, 201)
+    daemonset = wait_for(lambda: get(api, f"/apis/apps/v1/namespaces/{NS}/daemonsets/kvtier-s3"))
+    volumes = daemonset["spec"]["template"]["spec"]["volumes"]
+    assert any((v.get("secret") or {}).get("secretName") == "no-such-secret" for v in volumes)
+
+    def config_valid() -> dict[str, Any] | None:
+        conditions = {c["type"]: c for c in tier_status_of(api, "s3").get("conditions", [])}
+        return conditions.get("ConfigValid")
+
+    assert wait_for(config_valid)["status"] == "True"
 
 
 def test_injected_pods_are_counted(cluster: tuple[KubeAPI, int], tier: dict[str, Any]) -> None:

@@ -46,53 +46,42 @@ async def fetch(
 
 
 async def check_references(client: AsyncClient, tier: Manifest) -> None:
-    """What the schema cannot know: the Secrets and claims the spec names must exist.
-    Raises ConfigError naming the field, before anything is changed."""
+    """What the schema cannot know: the claims the spec names must exist. Raises ConfigError
+    naming the field, before anything is changed. Secrets the spec names are not read: the
+    operator may not read Secrets (only the agents mount them), and a missing one shows as
+    the agent pods' FailedMount in AgentsReady."""
     namespace = tier["metadata"]["namespace"]
     problems = []
     for i, entry in enumerate(tier["spec"].get("tiers", [])):
-        refs = []
-        if "credentialsSecret" in entry.get("objectStore", {}):
-            refs.append(
-                (
-                    "Secret",
-                    "objectStore.credentialsSecret",
-                    entry["objectStore"]["credentialsSecret"]["name"],
-                )
+        claim = entry.get("filesystem", {}).get("pvc", {}).get("claimName")
+        if claim is None:
+            continue
+        if await fetch(client, "v1", "PersistentVolumeClaim", namespace, claim) is None:
+            problems.append(
+                f"spec.tiers[{i}].filesystem.pvc: PersistentVolumeClaim {claim!r} not found in "
+                f"namespace {namespace}; fix: create it or correct the name"
             )
-        if "curveKeySecret" in entry.get("peer", {}):
-            refs.append(("Secret", "peer.curveKeySecret", entry["peer"]["curveKeySecret"]["name"]))
-        if "pvc" in entry.get("filesystem", {}):
-            refs.append(
-                ("PersistentVolumeClaim", "filesystem.pvc", entry["filesystem"]["pvc"]["claimName"])
-            )
-        for kind, field, name in refs:
-            if await fetch(client, "v1", kind, namespace, name) is None:
-                problems.append(
-                    f"spec.tiers[{i}].{field}: {kind} {name!r} not found in namespace "
-                    f"{namespace}; fix: create it or correct the name"
-                )
     if problems:
         raise ConfigError(problems)
 
 
 async def ensure_curve_secrets(client: AsyncClient, tier: Manifest) -> list[str]:
     """Create the CURVE key pair Secret of each peer tier whose spec names none, so every
-    peer tier is authenticated. Only when missing: an existing one (perhaps mid-rotation)
-    is left as it is."""
+    peer tier is authenticated. Create, never read or overwrite: the operator may create
+    Secrets (of this shape only, the chart's admission policy says) but not read them, so
+    every pass tries the create and an existing Secret (perhaps mid-rotation) refuses it
+    with 409 AlreadyExists and keeps its keys."""
     actions = []
-    namespace = tier["metadata"]["namespace"]
     for name in generated_curve_secrets(tier):
-        if await fetch(client, "v1", "Secret", namespace, name) is None:
-            public, secret = zmq.curve_keypair()
-            manifest = build_curve_secret(tier, name, public, secret)
-            try:  # create, never overwrite: a Secret made meanwhile keeps its keys
-                await client.create(to_object(manifest), field_manager=FIELD_MANAGER)
-            except ApiError as exc:
-                if exc.status.code != 409:
-                    raise
-                continue
-            actions.append("created Secret")
+        public, secret = zmq.curve_keypair()
+        manifest = build_curve_secret(tier, name, public, secret)
+        try:
+            await client.create(to_object(manifest), field_manager=FIELD_MANAGER)
+        except ApiError as exc:
+            if exc.status.code != 409:
+                raise
+            continue
+        actions.append("created Secret")
     return actions
 
 
