@@ -12,18 +12,20 @@ async-lookup thread (answering RETRY until the batch returns), and stores (into 
 staging area) and loads (out of the pool) copy rows of vLLM's primary host buffer on worker
 threads (`vllm_jobs`), reporting through `get_finished_jobs`. An agent that is unreachable or
 restarting turns lookups into misses and stores into dropped jobs, counted and logged once
-per outage.
+per outage. A key whose load failed is a miss from the moment `get_finished_jobs` reports
+the failure: for the rest of every request that asks for it within `FAILED_LOAD_SECONDS`,
+and for any request in that time, so vLLM never issues the failed promotion again.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import sys
 import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -54,6 +56,32 @@ from kvtier.agent.vllm_metrics import Metrics, Observations, metric_definitions
 log = logging.getLogger("vllm.kvtier")
 
 FAILED_LOAD_SECONDS = 5.0  # a key whose load failed is a miss this long (no retry livelock)
+
+
+@dataclass
+class _FailedLoad:
+    """A key whose load failed: a miss until `until` for every request, and for as long as
+    they live for the requests that were told so (the one whose load failed included)."""
+
+    until: float
+    requests: set[str] = field(default_factory=set)
+
+    def holds(self, req_id: str, now: float) -> bool:
+        if req_id in self.requests:
+            return True
+        if now < self.until:
+            self.requests.add(req_id)  # this request keeps the miss it was given
+            return True
+        return False
+
+
+def engine_publishes_events(offloading_spec: Any) -> bool:
+    """vLLM's engine-wide switch (`--kv-events-config` enable_kv_cache_events): without it
+    nothing drains `take_events`, so a tier must stay inert whatever its own flag says."""
+    events_config = getattr(offloading_spec, "kv_events_config", None)
+    if events_config is None:  # a spec without it: the offloading config carries the flag
+        events_config = getattr(offloading_spec, "config", None)
+    return getattr(events_config, "enable_kv_cache_events", False) is True
 
 
 def engine_vllm_config(model: str) -> Any | None:
@@ -130,13 +158,22 @@ class KVTierSecondaryTier(SecondaryTierManager):
         backpressure_detector: Any = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        # The node's host memory is on the engine's node: LOCAL unless configured otherwise
+        # (vLLM's base class and its fs tier leave an unconfigured locality None).
         self.locality = Locality(locality) if locality is not None else Locality.LOCAL
         self._rows = np.asarray(primary_kv_view).view(np.uint8)
         self._row_bytes = self._rows.shape[1]
         self._client = AgentClient(agent, timeout=timeout_seconds)
         self._jobs = JobRunner(copy_threads)
-        self._failed_loads: queue.SimpleQueue[list[OffloadKey]] = queue.SimpleQueue()
-        self._events = EventFeed(self.medium, self.locality) if enable_kv_events else None
+        self._events: EventFeed | None = None
+        if enable_kv_events and engine_publishes_events(offloading_spec):
+            self._events = EventFeed(self.medium, self.locality)
+        elif enable_kv_events:
+            log.warning(
+                "kvtier tier %s: enable_kv_events is set but the engine publishes no KV "
+                "events (kv_events_config.enable_kv_cache_events is off); none are fetched",
+                tier_type,
+            )
         self._observed = Observations()
         self._chains = PrefixChains()  # each stored chunk's parent, for the prefix policy
         self._vllm_config = engine_vllm_config(offloading_spec.config.model.name)
@@ -152,7 +189,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
         # per step), and the keys each request already reported (each key once).
         self._looked: dict[str, list[int]] = {}
         self._reported: dict[str, set[OffloadKey]] = {}
-        self._failed_until: dict[OffloadKey, float] = {}
+        # Load jobs in flight, and the keys whose load failed (both on vLLM's side only).
+        self._loads: dict[int, TransferJob] = {}
+        self._failed: dict[OffloadKey, _FailedLoad] = {}
+        self._shut_down = False
         log.info("kvtier tier %s: agent %s, rows of %d bytes", tier_type, agent, self._row_bytes)
         if self._vllm_config is None:
             log.warning(
@@ -215,6 +255,9 @@ class KVTierSecondaryTier(SecondaryTierManager):
     # --- SecondaryTierManager -------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        failed = self._failed.get(key)
+        if failed is not None and failed.holds(req_context.req_id, time.monotonic()):
+            return LookupResult.MISS
         self._chains.note([bytes(key)], req_context)
         local = self._local_lookup(key, req_context)
         if local is not None:
@@ -229,7 +272,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         other tier), from the published index, in this scheduler step; None when only the
         agent can say (no index yet, a source to ask, secondary tiers to look in)."""
         hello = self._client.hello
-        if hello is None or source_of(req_context) or key in self._failed_until:
+        if hello is None or source_of(req_context):
             return None
         key_digest = digest(self.namespace, bytes(key))
         held = self._client.find(key_digest)
@@ -252,19 +295,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._lookup.cleanup(req_context.req_id)
         self._reported.pop(req_context.req_id, None)
         self._chains.forget(req_context.req_id)
+        for failed in self._failed.values():
+            failed.requests.discard(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         now = time.monotonic()
-        while True:
-            try:
-                failed = self._failed_loads.get_nowait()
-            except queue.Empty:
-                break
-            self._lookup.mark_miss(failed)
-            for key in failed:
-                self._failed_until[key] = now + FAILED_LOAD_SECONDS
-        if self._failed_until:
-            self._failed_until = {k: t for k, t in self._failed_until.items() if t > now}
+        if self._failed:
+            self._failed = {k: f for k, f in self._failed.items() if f.requests or f.until > now}
         self._lookup.flush()
         self._report_lookups()
         if self._events is not None and self._events.due(now):
@@ -283,10 +320,26 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._jobs.submit(lambda: self._run_job(self._store, job_metadata))
 
     def submit_load(self, job_metadata: TransferJob) -> None:
+        self._loads[job_metadata.job_id] = job_metadata
         self._jobs.submit(lambda: self._run_job(self._load, job_metadata))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        """The jobs finished since last asked. A failed load's keys (all of them, or those
+        not among its `successful_keys`) are misses from here on, before vLLM sees the
+        failure: its next lookup must not answer HIT for a promotion that just failed."""
         results: list[JobResult] = self._jobs.finished()
+        now = time.monotonic()
+        for result in results:
+            job = self._loads.pop(result.job_id, None)
+            if job is None or result.success:
+                continue
+            arrived = set(result.successful_keys or ())
+            for key in job.keys:
+                if key not in arrived:
+                    failed = self._failed.get(key) or _FailedLoad(0.0)
+                    failed.until = now + FAILED_LOAD_SECONDS
+                    failed.requests.add(job.req_context.req_id)
+                    self._failed[key] = failed
         return results
 
     def has_pending_work(self) -> bool:
@@ -303,6 +356,11 @@ class KVTierSecondaryTier(SecondaryTierManager):
         return self._observed.stats()
 
     def shutdown(self) -> None:
+        """Idempotent: vLLM may shut a tier down twice, and an error here would keep it from
+        shutting down its primary tier (whose shared-memory buffer then stays mapped)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self.drain_jobs()
         poll = self._events.running() if self._events is not None else None
         if poll is not None:
@@ -310,7 +368,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._jobs.shutdown()
         self._lookup.shutdown()
         self._client.close()
-        del self._rows  # vLLM can only unmap its buffer once no view of it is left
+        # vLLM can only unmap its buffer once no view of it is left
+        self._rows = np.empty((0, self._row_bytes), np.uint8)
 
     # --- jobs (worker threads) ------------------------------------------------------------
 
@@ -320,8 +379,6 @@ class KVTierSecondaryTier(SecondaryTierManager):
             work(job)
         except Exception as exc:
             log.exception("kvtier job %s failed unexpectedly", job.job_id)
-            if job.is_promotion:
-                self._failed_loads.put(list(job.keys))
             self._job_failed(job, "load" if job.is_promotion else "store", exc)
 
     def _store(self, job: TransferJob) -> None:
@@ -360,7 +417,6 @@ class KVTierSecondaryTier(SecondaryTierManager):
                 source_of(job.req_context),
             )
         except AgentUnavailable as exc:
-            self._failed_loads.put(keys)
             self._job_failed(job, "load", exc)
             return
         self._set_available(True)
@@ -374,8 +430,6 @@ class KVTierSecondaryTier(SecondaryTierManager):
             self._jobs.finish(JobResult(job.job_id, True, None, seconds, nbytes))
             return
         # Evicted between lookup and load: keep what arrived, recompute the rest.
-        arrived = set(loaded)
-        self._failed_loads.put([k for k in keys if k not in arrived])
         self._record("counter", Metrics.FAILED_JOBS, 1, ("load",))
         self._jobs.finish(JobResult(job.job_id, False, tuple(loaded) or None, seconds, nbytes))
 
