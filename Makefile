@@ -41,10 +41,16 @@ VLLM_INTERFACE := $(VLLM_VENV)/vllm-interface/.complete
 $(VLLM_INTERFACE): $(STAMP) tools/fetch_vllm_interface.py $(wildcard kvtier/agent/vllm*.py) kvtier/agent/fingerprint.py
 	$(PY) tools/fetch_vllm_interface.py $(VLLM_VENV)/vllm-interface
 
+# vLLM's own tests of secondary tiers, from vLLM's source distribution (the wheel has none):
+# downloaded once, extracted afresh; tests/vllm/test_vllm_published.py runs them against kvtier.
+VLLM_TESTS := $(VLLM_VENV)/vllm-tests/.complete
+$(VLLM_TESTS): $(STAMP) tools/fetch_vllm_tests.py
+	$(PY) tools/fetch_vllm_tests.py $(VLLM_VENV)/vllm-tests
+
 demo: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/kvtier demo --vllm-python $(VLLM_PY)
 
-test: $(STAMP) $(VLLM_STAMP) $(VLLM_INTERFACE)
+test: $(STAMP) $(VLLM_STAMP) $(VLLM_INTERFACE) $(VLLM_TESTS)
 	$(PY) -m pytest tests
 	KVTIER_AGENT_PYTHON=$(CURDIR)/$(PY) $(VLLM_PY) -m pytest tests/vllm
 
