@@ -85,6 +85,26 @@ def test_daemonset_runs_unprivileged_with_volumes_probes_and_sized_memory() -> N
     assert memory == (8 << 30) + (512 << 20) == int(agent["resources"]["limits"]["memory"])
 
 
+def test_agent_reads_its_secrets_as_kubelet_mounts_them() -> None:
+    """Kubelet writes Secret files as root with the volume's defaultMode; only the pod's
+    fsGroup makes them group-owned (and group-readable). So the agent's non-root uid reads
+    its credentials through fsGroup = the tier's group with a group-readable mode, and the
+    CSI driver's fsGroupPolicy None keeps kubelet from re-owning the tier's own directory
+    (tests/test_kubelet_rules.py runs the agent that way)."""
+    pod = by_kind(build_children(tier(), SETTINGS))["DaemonSet"]["spec"]["template"]["spec"]
+    group = tier_group("inference", "llama")
+    assert pod["securityContext"]["fsGroup"] == group
+    assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    secrets = [v["secret"] for v in pod["volumes"] if "secret" in v]
+    assert secrets and all(
+        s["defaultMode"] & 0o040 and not s["defaultMode"] & 0o007 for s in secrets
+    )
+    from tests.chart_render import render
+
+    (driver,) = [o for o in render() if o["kind"] == "CSIDriver"]
+    assert driver["spec"]["fsGroupPolicy"] == "None"
+
+
 def test_spec_change_rolls_the_daemonset() -> None:
     before = by_kind(build_children(tier(), SETTINGS))["DaemonSet"]
     changed = tier()

@@ -219,12 +219,16 @@ def _secret_files(
     volume: str, secret: str, keys: list[str] | None, path: str
 ) -> tuple[Manifest, Manifest]:
     """A Secret's keys as read-only files: credentials are never in env or config. `keys`
-    None: every key the Secret has (a CURVE Secret may list extra trusted keys)."""
+    None: every key the Secret has (a CURVE Secret may list extra trusted keys).
+
+    Kubelet writes Secret files as root with the volume's defaultMode; the pod's fsGroup
+    (the tier's group, see `build_daemonset`) makes them group-owned, so 0440 lets the
+    agent's non-root uid read them and nobody outside the group."""
     items = {} if keys is None else {"items": [{"key": k, "path": k} for k in keys]}
     return (
         {
             "name": volume,
-            "secret": {"secretName": secret, "defaultMode": 0o400, **items},
+            "secret": {"secretName": secret, "defaultMode": 0o440, **items},
         },
         {"name": volume, "mountPath": path, "readOnly": True},
     )
@@ -323,17 +327,22 @@ def build_daemonset(tier: Manifest, config: AgentConfig, settings: OperatorSetti
     tier_volumes, tier_mounts = _tier_volumes(tier)
     config_hash = hashlib.sha256(config.to_yaml().encode()).hexdigest()[:16]
     uid = settings.agent_uid
+    group = tier_group(tier["metadata"]["namespace"], name)
     pod_spec: Manifest = {
         "serviceAccountName": agent_name(name),
         "nodeSelector": dict(spec.get("nodeSelector", {})),
         "tolerations": list(spec.get("tolerations", [])),
         # Pod Security `restricted`: non-root, default seccomp; the tier's group opens its
-        # directory, which the CSI plugin made group-only.
+        # directory, which the CSI plugin made group-only, and (as fsGroup) the Secret
+        # volumes, which kubelet otherwise leaves root's alone. The CSI driver's
+        # fsGroupPolicy None keeps kubelet from re-owning the tier's directory.
         "securityContext": {
             "runAsUser": uid,
             "runAsGroup": uid,
             "runAsNonRoot": True,
-            "supplementalGroups": [tier_group(tier["metadata"]["namespace"], name)],
+            "supplementalGroups": [group],
+            "fsGroup": group,
+            "fsGroupChangePolicy": "OnRootMismatch",
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [_agent_container(tier, config, settings, tier_mounts)],
