@@ -210,42 +210,51 @@ def test_the_csi_plugin_starts_again_and_again_over_a_legacy_hostpath(cluster: C
     assert legacy.is_dir()
 
 
-def test_an_agent_comes_back_warm_after_restarts_and_resizes(cluster: Cluster) -> None:
+def _warm_check(cluster: Cluster, tier: dict[str, Any], agent: Pod) -> int:
+    wait_ready(agent.containers[0], agent.manifest["spec"]["containers"][0]["readinessProbe"])
+    return cluster.client(tier, "load")["identical"]
+
+
+def test_an_agent_comes_back_warm_after_every_restart(cluster: Cluster) -> None:
     port = free_port()
     tier = host_tier("llama", "160Mi", port)
     cluster.apply_tier(tier)
     agent = cluster.agent_pod(tier, port)
     assert cluster.client(tier, "store") == {"stored": CHUNKS, "skipped": 0}
     kept = []
-
-    def warm() -> None:
-        wait_ready(agent.containers[0], agent.manifest["spec"]["containers"][0]["readinessProbe"])
-        loaded = cluster.client(tier, "load")
-        kept.append(loaded["identical"])
-
-    for _ in range(2):  # the container restarted in place: the same volume, its files kept
+    for _ in range(3):  # the container restarted in place: the same volume, its files kept
         cluster.kubelet.restart(agent)
-        warm()
+        kept.append(_warm_check(cluster, tier, agent))
     cluster.kubelet.delete_pod(agent)  # a new pod (a rollout): the volume outlives it
     agent = cluster.agent_pod(tier, port)
-    warm()
+    kept.append(_warm_check(cluster, tier, agent))
+    assert kept == [CHUNKS] * 4, kept
+
+
+def test_an_agent_comes_back_warm_after_resizes_up_and_down(cluster: Cluster) -> None:
+    port = free_port()
+    tier = host_tier("llama", "160Mi", port)
+    cluster.apply_tier(tier)
+    agent = cluster.agent_pod(tier, port)
+    assert cluster.client(tier, "store") == {"stored": CHUNKS, "skipped": 0}
+    kept = []
     for capacity in ("224Mi", "96Mi"):  # resized up, then down below where it started
         tier = host_tier("llama", capacity, port)
         cluster.apply_tier(tier)
-        cluster.kubelet.delete_pod(agent)
+        cluster.kubelet.delete_pod(agent)  # the DaemonSet rolls its pod for the new config
         agent = cluster.agent_pod(tier, port)
-        warm()
-    assert kept == [CHUNKS] * 5, kept
+        kept.append(_warm_check(cluster, tier, agent))
+    assert kept == [CHUNKS] * 2, kept
     # The shrink the kernel refused while the old pool filled the volume went through once
     # the agent had shrunk its pool (the plugin's sweep).
-    wanted = f"size={parse_bytes(volume_bytes(tier)) // 1024}k"
+    wanted = f"size={volume_bytes(tier) // 1024}k"
     polling.wait_for(lambda: wanted in tier_mount(cluster, tier).options, 30, interval=0.2)
 
 
 def volume_bytes(tier: dict[str, Any]) -> int:
     from kvtier.csi.server import tier_volume_bytes
 
-    return tier_volume_bytes(parse_bytes(tier["spec"]["host"]["capacity"]), ROW)
+    return int(tier_volume_bytes(parse_bytes(tier["spec"]["host"]["capacity"]), ROW))
 
 
 def _example(name: str) -> dict[str, Any]:
