@@ -87,11 +87,16 @@ def _umount_below(root: Path) -> None:
         _libc.umount2(point.encode(), 2)  # MNT_DETACH
 
 
-def _own_for(root: Path, fs_group: int) -> None:
-    """Kubelet's volume ownership for fsGroup (fsGroupChangePolicy OnRootMismatch: nothing
-    when the top already matches): group fsGroup, group rw (x for directories), setgid
-    directories."""
-    if root.stat().st_gid == fs_group and root.stat().st_mode & 0o2070 == 0o2070:
+def _own_for(root: Path, fs_group: int, change_policy: str) -> None:
+    """Kubelet's volume ownership for fsGroup: group fsGroup, group rw (x for directories),
+    setgid directories; with fsGroupChangePolicy OnRootMismatch, nothing when the top
+    already matches."""
+    top = root.stat()
+    if (
+        change_policy == "OnRootMismatch"
+        and top.st_gid == fs_group
+        and top.st_mode & 0o2070 == 0o2070
+    ):
         return
     for path in [root, *root.rglob("*")]:
         os.chown(path, -1, fs_group, follow_symlinks=False)
@@ -278,6 +283,11 @@ class Kubelet:
                 ) from exc
         return target
 
+    @staticmethod
+    def _change_policy(pod: Pod) -> str:
+        security = pod.manifest["spec"].get("securityContext") or {}
+        return str(security.get("fsGroupChangePolicy", "Always"))
+
     def _volume(self, pod: Pod, volume: Manifest, fs_group: int | None) -> Path:
         name = volume["name"]
         if "hostPath" in volume:
@@ -299,7 +309,11 @@ class Kubelet:
                 path.chmod(0o2777)
             return path
         if "csi" in volume:
-            return self._csi_volume(pod, volume)
+            target = self._csi_volume(pod, volume)
+            policy = self.csi_drivers[volume["csi"]["driver"]]["spec"].get("fsGroupPolicy")
+            if policy == "File" and fs_group is not None:
+                _own_for(target, fs_group, self._change_policy(pod))
+            return target
         if "persistentVolumeClaim" in volume:
             claim = volume["persistentVolumeClaim"]["claimName"]
             bound = self.claims.get((pod.namespace, claim))
@@ -307,7 +321,7 @@ class Kubelet:
                 raise MountFailed(f'persistentvolumeclaim "{claim}" not found')
             path, policy = bound
             if policy == "File" and fs_group is not None:
-                _own_for(path, fs_group)
+                _own_for(path, fs_group, self._change_policy(pod))
             return path
         raise MountFailed(f"volume {name}: a kind this kubelet does not lay out")
 

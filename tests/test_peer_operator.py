@@ -59,7 +59,7 @@ def test_a_peer_tier_without_a_key_secret_gets_one_made_for_it() -> None:
     volume = curve_volume(tier)["secret"]
     # every key of the Secret: trusted.keys appears when a rotation adds it
     assert volume["secretName"] == "kvtier-llama-peers-curve" and "items" not in volume
-    assert volume["defaultMode"] == 0o400
+    assert volume["defaultMode"] == 0o440  # group-readable: the pod's fsGroup is the tier's group
     public, secret = zmq.curve_keypair()
     manifest = build_curve_secret(tier, "kvtier-llama-peers-curve", public, secret)
     assert manifest["metadata"]["ownerReferences"][0]["uid"] == "0f1e-uid"

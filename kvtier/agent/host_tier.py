@@ -40,7 +40,7 @@ from kvtier.agent.events import EventBatch
 from kvtier.agent.index import Entry, HostIndex
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
-from kvtier.agent.pool import open_staging, staging_path
+from kvtier.agent.pool import open_staging, staging_path, trim
 from kvtier.agent.pool_layout import (
     PoolGeometry,
     pool_geometry,
@@ -85,13 +85,15 @@ class HostTier:
         # A staging slot's stamp is the boot of the agent that lent it, 0 once it is free
         # again: slots an earlier agent had lent may still be written by its clients, so
         # they rest for a lease's length before this agent lends them; the others are free.
-        self._lender = boot or 1
+        self._lender = boot or 1  # any non-zero stamp marks a lent slot
         lent = self.staging.generations() != 0
         until = time.monotonic() + lease_seconds
         self._staging_resting: list[tuple[float, int]] = [
             (until, int(slot)) for slot in np.flatnonzero(lent)
         ]  # (until, staging slot)
         self._staging_free = [int(slot) for slot in np.flatnonzero(~lent)[::-1]]
+        # A shrunk pool or staging area keeps its tail until then (see pool.trim).
+        self._trim_at: float | None = until
         self._staged: dict[int, dict[int, int]] = {}  # store lease -> pool slot -> staging slot
         # Clients read it to answer lookups themselves; a fresh one per agent process (the
         # one it replaces is marked retired, so its readers reconnect).
@@ -337,6 +339,10 @@ class HostTier:
             reclaimed = [lease for c in dead_clients for lease in self._index.release_client(c)]
             for gone in (*expired, *reclaimed):
                 self._free_staging(gone.id, now + self.lease_seconds)
+            if self._trim_at is not None and now >= self._trim_at:
+                self._trim_at = None
+                trim(self.pool.path, self.pool.geometry)
+                trim(self.staging.path, self.staging.geometry)
             if self._staging_resting:
                 for until, staged in self._staging_resting:
                     if until <= now:

@@ -135,7 +135,7 @@ def superblock_of(path: Path) -> PoolGeometry | None:
 
 def reusable(path: Path, geometry: PoolGeometry) -> bool:
     """Whether `path` holds a pool of exactly this geometry (a warm restart keeps it). A
-    file longer than its geometry is one whose resize stopped half-way: it is trimmed."""
+    file longer than its geometry is one shrunk but not yet trimmed."""
     try:
         size = path.stat().st_size
     except OSError:
@@ -151,20 +151,26 @@ def resizable(path: Path, geometry: PoolGeometry) -> bool:
 
 
 def set_size(path: Path, geometry: PoolGeometry, mode: int) -> None:
-    """Make the file at `path` exactly `geometry`'s size and superblock, in place: grown by
-    allocating the new pages only (they read as zeros: free slots), shrunk by truncating.
-    The superblock is written between the two, so a resize stopped at any point leaves a
-    file that `reusable` or `resizable` takes up again: never a second copy beside it, which
-    a volume sized for one file has no room for."""
+    """Give the file at `path` `geometry`'s superblock and every page it needs, in place:
+    grown by allocating the new pages only (they read as zeros: free slots). A file longer
+    than that keeps its tail until `trim` (a client of the earlier agent may still be copying
+    there: cut under it, the copy would end the client with SIGBUS). A resize stopped at any
+    point leaves a file that `reusable` or `resizable` takes up again: never a second copy
+    beside it, which a volume sized for one file has no room for."""
     fd = os.open(path, os.O_RDWR)
     try:
         os.fchmod(fd, mode)
         os.posix_fallocate(fd, 0, geometry.file_bytes)
         os.pwrite(fd, geometry.pack(), 0)
-        if os.fstat(fd).st_size > geometry.file_bytes:
-            os.ftruncate(fd, geometry.file_bytes)
     finally:
         os.close(fd)
+
+
+def trim(path: Path, geometry: PoolGeometry) -> None:
+    """Cut the file at `path` to `geometry`'s size, once no grant of an earlier agent can be
+    in use (its leases have run out): the room a shrink frees goes back to the volume."""
+    if path.stat().st_size > geometry.file_bytes:
+        os.truncate(path, geometry.file_bytes)
 
 
 def create(path: Path, geometry: PoolGeometry, mode: int) -> None:
@@ -178,8 +184,8 @@ def open_staging(path: Path, geometry: PoolGeometry, populate: bool) -> PoolMap:
     """The staging area, sized in place: its bytes never outlive the agent process that
     lends them, so an earlier one is reused as room, not as content, and its slots' stamps
     say which ones that agent had lent (see HostTier)."""
-    if superblock_of(path) is not None:
+    if resizable(path, geometry):
         set_size(path, geometry, STAGING_MODE)
-    else:
+    else:  # none yet, or slots of another size: its stamps would be read at the wrong stride
         create(path, geometry, STAGING_MODE)
     return PoolMap(path, geometry, populate)

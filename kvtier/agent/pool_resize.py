@@ -4,8 +4,9 @@ The tier's volume holds the pool, its staging area and its index, and little mor
 volume keeps every file across agent restarts and is exactly as large as the plugin made it,
 so a second pool beside the first never fits. A restart therefore reuses the pool file; a
 new `host.capacity` (same chunk size) resizes it in place, and shrinking first moves the
-sealed chunks of the slots that go into free slots that stay, so what fits is kept. Only
-another chunk size makes a new pool, after the old one is removed.
+sealed chunks of the slots that go into free slots that stay, so what fits is kept; the file's
+tail is cut only once the earlier agent's grants have run out (`pool.trim`, from the host
+tier). Only another chunk size makes a new pool, after the old one is removed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import logging
 from enum import Enum
 from pathlib import Path
+
+import numpy as np
 
 from kvtier.agent.chunk import ChunkHeader, SlotState
 from kvtier.agent.pool import (
@@ -27,6 +30,7 @@ from kvtier.agent.pool import (
 from kvtier.agent.pool_layout import PoolGeometry
 
 log = logging.getLogger("kvtier.agent.pool")
+_FREE = ChunkHeader("", b"", 0, 0, SlotState.FREE).pack()
 
 
 class Opened(Enum):
@@ -69,6 +73,8 @@ def _compact(path: Path, old: PoolGeometry, slots: int) -> tuple[int, int]:
             to = free.pop()
             start, target = old.header_offset(slot), old.header_offset(to)
             pool.array[target : target + old.stride] = pool.array[start : start + old.stride]
+            # The source freed, so a compaction stopped and run again moves it only once.
+            pool.array[start : start + len(_FREE)] = np.frombuffer(_FREE, np.uint8)
             moved += 1
         return moved, dropped
     finally:
@@ -78,7 +84,7 @@ def _compact(path: Path, old: PoolGeometry, slots: int) -> tuple[int, int]:
 def open_pool(path: Path, geometry: PoolGeometry, populate: bool) -> tuple[PoolMap, Opened]:
     """The pool at `path` with `geometry`, and how it was opened."""
     if reusable(path, geometry):
-        set_size(path, geometry, POOL_MODE)  # trims a stopped resize; an older mode reset
+        set_size(path, geometry, POOL_MODE)  # an older agent's mode reset
         how = Opened.REUSED
     elif resizable(path, geometry):
         old = superblock_of(path)

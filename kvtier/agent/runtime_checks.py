@@ -11,11 +11,12 @@ import tempfile
 from pathlib import Path
 
 from kvtier.agent.config import AgentConfig, ConfigError
-from kvtier.agent.pool import resizable, staging_path
+from kvtier.agent.pool import staging_path
 from kvtier.agent.pool_layout import (
     pool_geometry,
     tier_files_bytes,
 )
+from kvtier.agent.shm_index import index_path
 from kvtier.agent.units import format_bytes
 
 
@@ -53,11 +54,13 @@ def _check_pool_fits(config: AgentConfig) -> str | None:
     except OSError:
         return None  # the writable-directory check reports it
     free = st.f_bavail * st.f_frsize
-    # Resized in place (pool_resize.py, pool.open_staging), so what they hold counts as room;
-    # the index is made beside the one it replaces, which readers may still map.
-    free += _allocated(staging_path(pool))
-    if resizable(pool, geometry):
-        free += _allocated(pool)
+    # Pool and staging area are resized in place, or removed before they are made anew
+    # (pool_resize.py, pool.open_staging): what they hold counts as room, and so does a
+    # `.new` file a killed agent left (truncated when that file is made again). The index
+    # is made beside the one it replaces, which readers may still map.
+    for path in (pool, staging_path(pool)):
+        free += _allocated(path) + _allocated(path.with_name(path.name + ".new"))
+    free += _allocated(index_path(pool).with_name(index_path(pool).name + ".new"))
     if free >= needed:
         return None
     return (
