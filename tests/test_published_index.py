@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvtier import polling
 from kvtier.agent.client import AgentClient, AgentUnavailable
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.shm_index import index_path
@@ -127,4 +128,22 @@ def test_a_client_notices_a_dead_or_restarted_agent_without_asking(
     out = np.zeros(NBYTES, np.uint8)
     assert client.load_into(NS, [key(0)], [out]) == [True]
     assert np.array_equal(out, row(0, NBYTES))
+    client.close()
+
+
+def test_an_idle_client_lets_go_of_a_restarted_agents_index(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent
+) -> None:
+    """The tier's volume has room for two published indexes: an engine that sits idle
+    across agent restarts must not keep each one mapped (its pages would stay allocated)."""
+    config = small_pool(make_config)
+    first = agent_factory(config)
+    client = AgentClient(config.endpoint, timeout=0.5).connect()
+    client.lookup(NS, [key(0)])  # answered from the index: reported, so reporting runs
+    old = client.index
+    assert old is not None
+    first.kill()
+    agent_factory(config)  # retires the index it replaces
+    polling.wait_for(lambda: client.index is None, 10, interval=0.05)  # with no call made
+    assert old.retired
     client.close()

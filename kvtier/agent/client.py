@@ -341,6 +341,7 @@ class AgentClient:
             self._report_now.clear()
             with contextlib.suppress(AgentUnavailable, zmq.ZMQError):
                 self.flush_reports()
+            self._drop_retired_index()  # an idle engine too lets its volume free the file
 
     def flush_reports(self, block: bool = True) -> None:
         """Send the reports that wait, one message per namespace. With `block` false (on
@@ -376,16 +377,25 @@ class AgentClient:
         index = self.index
         if index is not None and not index.alive():
             return None  # the agent is gone: only a new one can say what the pool holds
-        if index is not None and index.retired:
-            with self._io_lock:
-                if self.index is index:
-                    self.index = None
-                    self.hello = None
-                    index.close()
+        if self._drop_retired_index():
             with contextlib.suppress(AgentUnavailable):
                 self.connect()
             index = self.index
         return index
+
+    def _drop_retired_index(self) -> bool:
+        """Unmap a retired index (its agent restarted: the next call says hello again and
+        maps the new one); returns whether it did. The tier's volume has room for two
+        indexes, so a client must not hold on to an old one."""
+        index = self.index
+        if index is None or not index.retired:
+            return False
+        with self._io_lock:
+            if self.index is index:
+                self.index = None
+                self.hello = None
+                index.close()
+        return True
 
     def allocate(
         self,
