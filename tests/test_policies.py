@@ -122,3 +122,32 @@ def test_arc_invariants(trace: list[tuple[str, int]], capacity: int) -> None:
         assert len(arc.t1) + len(arc.b1) <= capacity
         assert len(arc.t1) + len(arc.t2) + len(arc.b1) + len(arc.b2) <= 2 * capacity
         assert 0 <= arc.p <= capacity
+
+
+def test_lru_evicts_leaves_before_their_prefix() -> None:
+    """A chain stored root first: the flat order would evict the root (least recent) and
+    keep the rest as dead weight; the tree LRU takes the deepest chunk first."""
+    index = HostIndex(3, LRUPolicy(3))
+    keys = [b"a", b"b", b"c"]
+    lease = index.allocate("c", "ns", keys, 1, 1e18, [None, b"a", b"b"])[0]
+    index.commit(lease, "c")
+    index.lookup("ns", [b"a"])  # the root is used again: still it outlives its children
+    index.touch()
+    lease = index.allocate("c", "ns", [b"x"], 1, 1e18, [None])[0]
+    index.commit(lease, "c")
+    assert index.missing("ns", keys) == [b"c"]
+    lease = index.allocate("c", "ns", [b"y"], 1, 1e18, [None])[0]
+    index.commit(lease, "c")
+    assert index.missing("ns", keys) == [b"b", b"c"]
+
+
+def test_lru_with_every_leaf_pinned_evicts_an_inner_chunk_and_orphans_its_children() -> None:
+    lru = LRUPolicy(4)
+    lru.on_links([0, 1, 2], [-1, 0, 1])
+    lru.on_inserts([0, 1, 2])
+    assert lru.children(0) == 1 and lru.children(1) == 1
+    assert lru.evict(lambda slot: slot != 2) == 1  # the leaf 2 is pinned
+    assert lru.parent_of(2) == -1 and lru.children(0) == 0
+    assert lru.evict(always) == 2  # a root now, less recent than 0
+    assert lru.evict(always) == 0
+    assert lru.describe()["forced"] == 1

@@ -42,8 +42,9 @@ def test_agrees_with_kvcache_simulator(policy: str, blocks: int, tmp_path: Path)
 
 
 def test_prefix_semantics_and_token_weights(tmp_path: Path) -> None:
-    # Three slots under LRU: request 2 evicts block 1, request 3 finds block 2 resident but
-    # not block 1, and request 4 block 4 but not block 3: block hits, no usable prefix.
+    # Three slots under LRU, leaves first: request 2 evicts block 2, never block 1 under
+    # it, so request 3 finds its first block (512 tokens) and, having evicted the leaf 4,
+    # request 4 its first (512). A flat LRU evicted block 1 and left 2 as dead weight.
     path = write_trace(
         tmp_path / "t.jsonl",
         [
@@ -58,7 +59,7 @@ def test_prefix_semantics_and_token_weights(tmp_path: Path) -> None:
     result = replay(trace, "lru", 3)
     assert result.filled
     assert result.prompt_tokens == 700 + 1000  # the last half of the requests
-    assert result.hit_tokens == 0
+    assert result.hit_tokens == 512 + 512
     assert result.block_hit_rate == 0.5
     roomy = replay(trace, "lru", 4)
     assert roomy.hit_rate == 1.0  # both halves hit in full, the short last blocks weighed

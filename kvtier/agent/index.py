@@ -345,6 +345,8 @@ class HostIndex:
         taken = np.array([slots[i] for i in granted], np.int64)
         self._hold(taken, batch, rows, self._next_generation, length)
         self._next_generation += len(granted)
+        if self.policy.links_slots:
+            self._link(namespace, granted, taken, parents)
         generations = [0] * len(keys)
         for i, generation in zip(granted, self._generation[taken].tolist(), strict=True):
             generations[i] = generation
@@ -368,6 +370,18 @@ class HostIndex:
                 if slot < 0
             ]
         )
+
+    def _link(
+        self, namespace: str, granted: list[int], taken: Slots, parents: list[bytes | None] | None
+    ) -> None:
+        """Tell a policy of slots that keeps the prefix tree each granted slot's parent's
+        slot (-1: unnamed, or not in the pool; a parent this store writes counts)."""
+        named = [] if parents is None else [parents[i] for i in granted]
+        if not any(p is not None for p in named):
+            self.policy.on_links(taken.tolist(), [-1] * len(granted))
+            return
+        found = iter(self._slots(namespace, [p for p in named if p is not None]).tolist())
+        self.policy.on_links(taken.tolist(), [-1 if p is None else next(found) for p in named])
 
     def commit(
         self, lease_id: int, client: str, keep: Callable[[Entry], bool] | None = None
@@ -439,6 +453,8 @@ class HostIndex:
         self._free.remove(slot)
         batch = KeyBatch.of(self._number(header.namespace), header.namespace, [header.key])
         self._hold(np.array([slot]), batch, np.zeros(1, np.int64), generation, header.length)
+        if self.policy.links_slots:
+            self.policy.on_links([slot], [-1])
         self._pins[slot] = 0
         entry = Entry(self, slot)
         entry.checksum = header.checksum

@@ -134,6 +134,7 @@ class PolicyStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     tree: bool | None = None
     leaves: int | None = None
     refused: int | None = None
+    forced: int | None = None  # evictions of a chunk with resident children (leaves pinned)
 
 
 class HostStats(msgspec.Struct, kw_only=True):

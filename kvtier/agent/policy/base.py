@@ -21,6 +21,9 @@ class EvictionPolicy(ABC):
     # they left (ghosts, history). A policy of slots is not told parents (`on_parents`): a
     # parent need not be in the pool.
     by_slot: ClassVar[bool] = False
+    # A policy of slots that keeps the prefix tree: the index tells it each stored chunk's
+    # parent as a slot (`on_links`), where the parent is in the pool.
+    links_slots: ClassVar[bool] = False
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -46,6 +49,13 @@ class EvictionPolicy(ABC):
     def on_parents(self, pairs: Sequence[tuple[ChunkId, ChunkId | None]]) -> None:
         """Chunks about to be stored, each with the chunk before it in its request where
         the store named it. Only policies that keep the prefix tree use it."""
+        return None
+
+    def on_links(self, chunks: Sequence[ChunkId], parents: Sequence[int]) -> None:
+        """Slots a store is about to write, each with the slot of the chunk before it in its
+        request (-1 where the store named none, or it is not in the pool). Only policies
+        with `links_slots` are told; every granted slot is named, so a slot's link is always
+        its current chunk's."""
         return None
 
     @abstractmethod
