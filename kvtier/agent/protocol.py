@@ -210,11 +210,25 @@ class StatsReply(msgspec.Struct, tag="stats_reply"):
     stats: AgentStats
 
 
+class EventRun(msgspec.Struct, array_like=True):
+    """Consecutive events of one residency: vLLM's medium (CPU, STORAGE) and locality
+    (LOCAL, REMOTE), stored or removed."""
+
+    medium: str
+    locality: str
+    removed: bool
+    keys: list[bytes]
+
+
 class EventsReply(msgspec.Struct, tag="events_reply"):
     seq: int
-    stored: list[bytes]
+    stored: list[bytes]  # the pool's alone, for plug-ins that read no runs
     evicted: list[bytes]
     truncated: bool
+    # every tier's events in order (agents that send none: read stored/evicted)
+    runs: list[EventRun] = []
+    owner: str = ""  # the node: every engine on it shares what it holds
+    boot: int = 0  # the agent process; a new one numbers its events afresh
 
 
 class LoggedRequest(msgspec.Struct, array_like=True):

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.config import TierConfig
+from kvtier.agent.events import RESIDENCY_OF_KIND, NodeEvents
 from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import Entry
 from kvtier.agent.metrics import AgentMetrics
@@ -83,6 +84,7 @@ class SecondaryTiers:
         budget_seconds: float,
         context: TierContext,
         maintain_seconds: float = 1.0,
+        events: NodeEvents | None = None,
     ) -> None:
         self.host = host
         self.metrics = metrics
@@ -93,6 +95,9 @@ class SecondaryTiers:
         self.tiers = [
             _Tier(c, build_tier(c, context), queue.Queue(maxsize=c.queue_depth)) for c in configs
         ]
+        if events is not None:
+            for t in self.tiers:
+                self._report_holdings(t, events)
         self._io = ThreadPoolExecutor(32, thread_name_prefix="kvtier-tier-io")
         self._stop = threading.Event()
         self._threads = [
@@ -115,6 +120,16 @@ class SecondaryTiers:
         for t in self.tiers:
             self._bind_gauges(t)
         host.subscribe(self._on_sealed, self._on_hits)
+
+    @staticmethod
+    def _report_holdings(tier: _Tier, events: NodeEvents) -> None:
+        """What a tier comes to hold and lets go of, to the node's KV events."""
+        events.add_tier(tier.name, RESIDENCY_OF_KIND[tier.backend.kind])
+
+        def holdings(namespace: str, keys: list[bytes], removed: bool) -> None:
+            events.record(tier.name, namespace, keys, removed)
+
+        tier.backend.report_holdings(holdings)
 
     def peer(self) -> PeerTier | None:
         """The peer tier, which also answers the agent's `kvtier_source` requests."""

@@ -16,8 +16,10 @@ connection's client, never a field of the request, holds the leases it is grante
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +34,7 @@ import kvtier
 from kvtier.agent import protocol as p
 from kvtier.agent.access_log import AccessLog
 from kvtier.agent.config import AgentConfig
+from kvtier.agent.events import NodeEvents
 from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import LeaseError
 from kvtier.agent.liveness import ClientRegistry
@@ -49,6 +52,11 @@ log = logging.getLogger("kvtier.agent")
 
 Deferred = Callable[[], p.Reply]
 MAX_SESSIONS = 4096  # connections that said hello, whose clients are not known gone
+
+
+def node_name(config: AgentConfig) -> str:
+    """The node this agent serves: the report's node, $NODE_NAME, else the host's name."""
+    return config.report.node or os.environ.get("NODE_NAME") or socket.gethostname()
 
 
 class NotRegistered(ValueError):
@@ -69,6 +77,8 @@ class Agent:
             self.boot,
         )
         self.registry = make_registry(config.report)
+        # Every tier's stores and removals, for engines' KV events and the node's stream.
+        self.events = NodeEvents(node_name(config))
         context = TierContext(self.host, self.registry, config.report.interval_seconds)
         self.tiers = (
             SecondaryTiers(
@@ -78,6 +88,7 @@ class Agent:
                 config.tier_budget_seconds,
                 context,
                 config.reap_interval_seconds,
+                self.events,
             )
             if config.tiers
             else None
@@ -284,8 +295,19 @@ class Agent:
             case p.EndLoad(lease):
                 host.end_load(lease, client)
             case p.Events(namespace, after):
-                batch = host.events_since(namespace, after)
-                return p.EventsReply(batch.seq, batch.stored, batch.evicted, batch.truncated)
+                self.events.pump(host.events_since, host.held)
+                node = self.events.since(namespace, after)
+                runs = [p.EventRun(r.medium, r.locality, r.removed, r.keys) for r in node.runs]
+                pool = [r for r in runs if (r.medium, r.locality) == ("CPU", "LOCAL")]
+                return p.EventsReply(
+                    node.seq,
+                    [k for r in pool if not r.removed for k in r.keys],
+                    [k for r in pool if r.removed for k in r.keys],
+                    node.truncated,
+                    runs,
+                    self.events.owner,
+                    self.boot,
+                )
             case p.Stats():
                 return p.StatsReply(self.stats())
             case p.AccessLog(after):

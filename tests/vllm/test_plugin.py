@@ -15,7 +15,7 @@ from kvtier.agent.client import AgentClient
 from kvtier.agent.config import AgentConfig
 from kvtier.agent.fingerprint import differing_components
 from kvtier.agent.vllm import KVTierSecondaryTier
-from kvtier.bench.vllm_scheduler import Engine, chunk_key, chunk_row
+from kvtier.bench.vllm_scheduler import ROW, Engine, chunk_key, chunk_row
 from kvtier.local_agent import AgentProcess
 from tests.vllm.conftest import engine_of
 
@@ -191,7 +191,7 @@ def test_direct_mode_from_kv_transfer_params(
     kv_transfer_params; the decode node's agent fetches the chunks from it."""
     import json
 
-    from kvtier.bench.vllm_scheduler import ROW, kvtier_extra_config
+    from kvtier.bench.vllm_scheduler import kvtier_extra_config
 
     def node(name: str) -> AgentConfig:
         return make_config(
@@ -266,3 +266,35 @@ def test_stores_name_each_chunks_predecessor(
     tier.on_request_finished(request)  # type: ignore[arg-type]
     assert parents([bytes(keys[3])], request) is None  # forgotten, nothing before
     assert parents([bytes(keys[4])], request) == [bytes(keys[3])]
+
+
+def test_kv_events_name_every_tier_and_the_node_as_owner(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: StartAgent,
+    engines: MakeEngine,
+    scratch: Path,
+) -> None:
+    """A chunk written back to the node's filesystem tier reaches vLLM as a STORAGE event
+    beside the pool's CPU one; both carry the node as `ownership` (vLLM 0.32 and 0.33 have
+    the field), so a router counts one owner for every engine on the node."""
+    from vllm.v1.kv_offload.base import Locality
+
+    config = make_config(
+        {
+            "tiers": [
+                {"name": "fs", "filesystem": {"path": str(scratch / "fs"), "capacity": "16Mi"}}
+            ],
+            "report": {"node": "node-a"},
+        },
+        chunkBytes=ROW,
+    )
+    agent_factory(config)
+    engine = engines(config)
+    engine.store([1, 2])
+    events = collect_events(engine, 4)
+    by_medium = {
+        (e.medium, e.locality): {bytes(k) for k in e.keys} for e in events if not e.removed
+    }
+    want = {bytes(chunk_key(i)) for i in (1, 2)}
+    assert by_medium == {(Medium.CPU, Locality.LOCAL): want, (Medium.STORAGE, Locality.LOCAL): want}
+    assert {e.ownership for e in events} == {"node-a"}

@@ -244,3 +244,28 @@ def test_offloading_config_has_the_fields_the_fingerprint_reads() -> None:
             cls = annotations[attr].removeprefix("tuple[").split(",")[0].rstrip("]")
             if not cls.startswith("Offloading"):
                 break
+
+
+def test_kv_events_have_the_residency_fields_the_plugin_sets() -> None:
+    """The plug-in's events name the tier's medium and locality and, where vLLM has the
+    field (`hasattr`-style guard in vllm_events.py), the node as `ownership`: 0.33's
+    OffloadingEvent has all three, and its Medium and Locality the values the agent sends."""
+    base = vllm_source("vllm.v1.kv_offload.base")
+    fields = dataclass_fields("vllm.v1.kv_offload.base", "OffloadingEvent")
+    assert {"keys", "medium", "removed", "locality", "ownership"} <= set(fields)
+
+    def members(name: str) -> set[str]:
+        return {
+            t.id
+            for n in class_def(base, name).body
+            if isinstance(n, ast.Assign)
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        }
+
+    from kvtier.agent.events import POOL, RESIDENCY_OF_KIND
+
+    assert {r.medium for r in [POOL, *RESIDENCY_OF_KIND.values()]} <= members("Medium")
+    assert {r.locality for r in [POOL, *RESIDENCY_OF_KIND.values()]} <= members("Locality")
+    source = (PLUGIN.parent / "vllm_events.py").read_text()
+    assert '"ownership"' in source and "HAS_OWNERSHIP" in source

@@ -33,6 +33,7 @@ class TierUsage:
 
 
 _SAFE_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HASHED_NAMESPACE = re.compile(r"^ns-[0-9a-f]{32}$")
 
 
 def namespace_dir(namespace: str) -> str:
@@ -66,11 +67,25 @@ def check_payload(header: ChunkHeader, payload: memoryview) -> None:
         raise CorruptChunk("checksum mismatch")
 
 
+Holdings = Callable[[str, list[bytes], bool], None]  # (namespace, keys, removed)
+
+
+def _ignore(_namespace: str, _keys: list[bytes], _removed: bool) -> None:
+    return None
+
+
 class SecondaryTier(ABC):
     kind: str
 
     def __init__(self, name: str) -> None:
         self.name = name
+        # Told every chunk this tier comes to hold or stops holding, for any reason (a
+        # write, a listing or scan finding what other agents wrote; an eviction, a
+        # quarantine, a chunk found gone): the node's KV events (events.NodeEvents).
+        self.holdings: Holdings = _ignore
+
+    def report_holdings(self, holdings: Holdings) -> None:
+        self.holdings = holdings
 
     @abstractmethod
     def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
@@ -142,10 +157,39 @@ class BlobTier(SecondaryTier, Generic[C]):
         self._root = root
         self._lock = threading.Lock()
         self._used = 0
+        self._namespaces: dict[str, str] = {}  # namespace_dir -> namespace, as seen
 
     def blob_name(self, namespace: str, key: bytes) -> str:
         # A plain string: pathlib costs several microseconds per operation on a hot path.
         return self._root + blob_path(namespace, key)
+
+    def learn_namespace(self, namespace: str) -> None:
+        self._namespaces.setdefault(namespace_dir(namespace), namespace)
+
+    def chunk_of(self, name: str) -> tuple[str, bytes] | None:
+        """The (namespace, key) a blob name (`blob_name`'s form) holds; None for anything
+        else, or for a hashed namespace directory this tier has not seen named."""
+        parts = name[len(self._root) :].split("/") if name.startswith(self._root) else []
+        if len(parts) != 4 or parts[1] != parts[3][:2] or parts[2] != parts[3][2:4]:
+            return None
+        try:
+            key = bytes.fromhex(parts[3])
+        except ValueError:
+            return None
+        namespace = self._namespaces.get(parts[0])
+        if namespace is None:
+            namespace = self.namespace_named(parts[0])
+            if namespace is None:
+                return None
+            self._namespaces[parts[0]] = namespace
+        return namespace, key
+
+    def namespace_named(self, directory: str) -> str | None:
+        """The namespace a directory not yet seen holds: itself where `namespace_dir` keeps
+        it as it is; tiers that keep a manifest read it."""
+        if _HASHED_NAMESPACE.match(directory):
+            return None  # namespace_dir's hash of a namespace never seen here
+        return directory if namespace_dir(directory) == directory else None
 
     def checked_read(
         self,
@@ -169,6 +213,7 @@ __all__ = [
     "HEADER_BYTES",
     "BlobTier",
     "CorruptChunk",
+    "Holdings",
     "SecondaryTier",
     "TierUsage",
     "blob_path",

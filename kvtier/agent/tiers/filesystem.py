@@ -97,6 +97,11 @@ class FilesystemTier(BlobTier[FilesystemTierConfig]):
         self._objects = 0
         self._next_scan = 0.0
         self._direct = config.direct_io and hasattr(os, "O_DIRECT")
+        # The chunks this tier is known to hold (for its KV events): what the last scan
+        # found, plus what was written since, less what was removed; chunks written while
+        # a scan runs are not taken for gone by that scan.
+        self._listed: set[tuple[str, bytes]] = set()
+        self._written: set[tuple[str, bytes]] = set()
 
     # --- reads and writes --------------------------------------------------------------
 
@@ -107,9 +112,37 @@ class FilesystemTier(BlobTier[FilesystemTierConfig]):
         exists = os.path.exists
         return [exists(self.blob_name(namespace, k)) for k in keys]
 
+    def _held(self, namespace: str, key: bytes) -> None:
+        with self._lock:
+            self._listed.add((namespace, key))
+            self._written.add((namespace, key))
+        self.holdings(namespace, [key], False)
+
+    def _gone(self, path: str | Path) -> None:
+        chunk = self.chunk_of(str(path))
+        if chunk is None:
+            return
+        with self._lock:
+            self._listed.discard(chunk)
+            self._written.discard(chunk)
+        self.holdings(chunk[0], [chunk[1]], True)
+
+    def namespace_named(self, directory: str) -> str | None:
+        """A namespace directory's manifest names its namespace (hashed ones too)."""
+        try:
+            manifest = json.loads((self.config.path / directory / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return super().namespace_named(directory)
+        named = manifest.get("namespace") if isinstance(manifest, dict) else None
+        if isinstance(named, str) and namespace_dir(named) == directory:
+            return named
+        return super().namespace_named(directory)
+
     def write(self, header: ChunkHeader, payload: memoryview) -> None:
         path = self.blob_name(header.namespace, header.key)
+        self.learn_namespace(header.namespace)
         if os.path.exists(path):
+            self._held(header.namespace, header.key)
             return
         parent, name = os.path.split(path)
         tmp = f"{parent}/.tmp-{name}-{_writer_suffix()}"
@@ -144,12 +177,14 @@ class FilesystemTier(BlobTier[FilesystemTierConfig]):
         with self._lock:
             self._used += HEADER_BYTES + header.length
             self._objects += 1
+        self._held(header.namespace, header.key)
 
     def read_into(self, namespace: str, key: bytes, out: memoryview) -> ChunkHeader | None:
         path = self.blob_name(namespace, key)
         try:
             fd = self._open(path, os.O_RDONLY)
         except FileNotFoundError:
+            self._gone(path)  # evicted by another agent sharing the volume
             return None
         try:
             try:
@@ -159,6 +194,7 @@ class FilesystemTier(BlobTier[FilesystemTierConfig]):
                 header = self.checked_read(page, namespace, key, out, lambda _: got)
             except CorruptChunk:
                 self._quarantine(Path(path))
+                self._gone(path)
                 raise
             if time.time() - os.fstat(fd).st_mtime > self.config.touch_interval_seconds:
                 with contextlib.suppress(OSError):
@@ -184,7 +220,10 @@ class FilesystemTier(BlobTier[FilesystemTierConfig]):
         if now < self._next_scan and not over:
             return 0
         self._next_scan = now + cfg.scan_interval_seconds
+        with self._lock:
+            self._written.clear()
         chunks, quarantined, pending = self._scan()
+        self._announce_scan(chunks)
         used = pending + sum(size for _, size, _ in chunks + quarantined)
         evicted = 0
         if used > cfg.high_watermark * cfg.capacity:
@@ -194,13 +233,35 @@ class FilesystemTier(BlobTier[FilesystemTierConfig]):
                     break
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
-                    evicted += path.parent.name != QUARANTINE
+                    if path.parent.name != QUARANTINE:
+                        evicted += 1
+                        self._gone(path)
                 used -= size
         with self._lock:
             self._used, self._objects = used, len(chunks) - evicted
         if evicted:
             log.info("evicted %d files from tier %s", evicted, self.name)
         return evicted
+
+    def _announce_scan(self, chunks: list[_File]) -> None:
+        """What a scan found against what the tier was known to hold: files other agents
+        wrote are held now, files gone (evicted by other agents, removed by hand) are not;
+        a file written while the scan ran is not taken for gone."""
+        found: set[tuple[str, bytes]] = set()
+        for _mtime, _size, path in chunks:
+            chunk = self.chunk_of(str(path))
+            if chunk is not None:
+                found.add(chunk)
+        with self._lock:
+            gone = self._listed - found - self._written
+            new = found - self._listed
+            self._listed = (self._listed | found) - gone
+        for removed, items in ((True, gone), (False, new)):
+            by_namespace: dict[str, list[bytes]] = {}
+            for namespace, key in sorted(items):
+                by_namespace.setdefault(namespace, []).append(key)
+            for namespace, keys in by_namespace.items():
+                self.holdings(namespace, keys, removed)
 
     def _scan(self) -> tuple[list[_File], list[_File], int]:
         """The chunk files, the quarantined files and the bytes of writers' temporary files;

@@ -90,6 +90,7 @@ class ObjectStoreTier(BlobTier[ObjectStoreTierConfig]):
     # --- reads and writes --------------------------------------------------------------
 
     def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
+        self.learn_namespace(namespace)
         names = [self.blob_name(namespace, k) for k in keys]
         now = time.monotonic()
         answer: dict[str, bool] = {}
@@ -119,6 +120,7 @@ class ObjectStoreTier(BlobTier[ObjectStoreTierConfig]):
 
     def write(self, header: ChunkHeader, payload: memoryview) -> None:
         name = self.blob_name(header.namespace, header.key)
+        self.learn_namespace(header.namespace)
         with self._lock:
             if name in self._known:
                 return
@@ -195,11 +197,13 @@ class ObjectStoreTier(BlobTier[ObjectStoreTierConfig]):
                     self._known[name] = size
                     self._known.move_to_end(name, last=False)
                     self._used += size
+                    self._report(name, False)
             self._listed = True
 
     def _remember(self, name: str, size: int) -> None:
         if name not in self._known:
             self._used += size
+            self._report(name, False)
         self._known[name] = size
         self._known.move_to_end(name)
 
@@ -207,6 +211,14 @@ class ObjectStoreTier(BlobTier[ObjectStoreTierConfig]):
         size = self._known.pop(name, None)
         if size is not None:
             self._used -= size
+            self._report(name, True)
+
+    def _report(self, name: str, removed: bool) -> None:
+        """A chunk known held, or known gone (evicted, found absent, found corrupt): the
+        tier's KV events (lock held; the events' own lock is taken after this one)."""
+        chunk = self.chunk_of(name)
+        if chunk is not None:
+            self.holdings(chunk[0], [chunk[1]], removed)
 
     def _delete(self, name: str) -> None:
         with self._lock:
