@@ -16,12 +16,19 @@ tie |T1| = p favours evicting from T1 only for a chunk coming back from B2). The
 trimming of case IV (drop B1's or B2's oldest ghost) runs when the chunk is inserted, which
 leaves the same lists as the paper's order: REPLACE never looks at which ghosts are there
 other than the incoming chunk.
+
+
+Over the prefix tree: like `lru`, it never evicts a chunk while a resident chunk extends it
+(leaves first, unless every leaf is pinned), so a cached prefix has no holes. Stores name
+each chunk's parent (`on_parents`); a request's hits are taken leaf first, so a parent is
+more recent in its list than its children, and a store moves the parent it extends to the
+recent end of its list (no promotion: it was used by the very request).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.agent.policy.base import ChunkId, EvictionPolicy
@@ -41,6 +48,28 @@ class ARCPolicy(EvictionPolicy):
         self.b2: _List = OrderedDict()
         # Ghost hits whose adaptation of p already ran in `evict`, before REPLACE.
         self._adapted: set[ChunkId] = set()
+        self._announced: OrderedDict[ChunkId, ChunkId] = OrderedDict()  # stores in flight
+        self._parent: dict[ChunkId, ChunkId] = {}  # resident chunks with a resident parent
+        self._kids: dict[ChunkId, int] = {}  # resident children, where any
+        self.forced = 0
+
+    def on_parents(self, pairs: Sequence[tuple[ChunkId, ChunkId | None]]) -> None:
+        announced = self._announced
+        for chunk, parent in pairs:
+            if parent is not None:
+                announced[chunk] = parent
+                announced.move_to_end(chunk)
+        while len(announced) > 2 * self.capacity:  # stores that were never committed
+            announced.popitem(last=False)
+
+    def on_hits(self, chunks: Sequence[ChunkId]) -> None:
+        """Leaf first, so each parent ends more recent than its children."""
+        for chunk in reversed(chunks):
+            self.on_hit(chunk)
+
+    def on_inserts(self, chunks: Sequence[ChunkId]) -> None:
+        for chunk in reversed(chunks):
+            self.on_insert(chunk)
 
     def on_hit(self, chunk: ChunkId) -> None:
         if chunk in self.t1:
@@ -59,6 +88,14 @@ class ARCPolicy(EvictionPolicy):
 
     def on_insert(self, chunk: ChunkId) -> None:
         c = self.capacity
+        if chunk not in self.t1 and chunk not in self.t2:
+            parent = self._announced.pop(chunk, None)
+            if parent is not None:
+                held = self.t1 if parent in self.t1 else self.t2 if parent in self.t2 else None
+                if held is not None:
+                    self._parent[chunk] = parent
+                    self._kids[parent] = self._kids.get(parent, 0) + 1
+                    held.move_to_end(parent)
         if chunk in self.b1 or chunk in self.b2:
             if chunk in self._adapted:
                 self._adapted.discard(chunk)
@@ -76,8 +113,22 @@ class ARCPolicy(EvictionPolicy):
             self._adapted.discard(self.b2.popitem(last=False)[0])
 
     def on_remove(self, chunk: ChunkId) -> None:
-        self.t1.pop(chunk, None)
-        self.t2.pop(chunk, None)
+        if chunk in self.t1 or chunk in self.t2:
+            self.t1.pop(chunk, None)
+            self.t2.pop(chunk, None)
+            self._leave(chunk)
+
+    def _leave(self, chunk: ChunkId) -> None:
+        parent = self._parent.pop(chunk, None)
+        if parent is not None:
+            left = self._kids[parent] - 1
+            if left:
+                self._kids[parent] = left
+            else:
+                del self._kids[parent]
+        if self._kids.pop(chunk, None):  # forced out: its children are roots now
+            for child in [k for k, p in self._parent.items() if p == chunk]:
+                del self._parent[child]
 
     def evict(
         self, evictable: Callable[[ChunkId], bool], incoming: ChunkId | None = None
@@ -90,12 +141,16 @@ class ARCPolicy(EvictionPolicy):
             len(self.t1) > self.p or (incoming in self.b2 and len(self.t1) == self.p)
         )
         order = ((self.t1, self.b1), (self.t2, self.b2))
-        for resident, ghost in order if prefer_t1 else order[::-1]:
-            for chunk in resident:
-                if evictable(chunk):
-                    del resident[chunk]
-                    ghost[chunk] = None
-                    return chunk
+        kids = self._kids
+        for leaves in (True, False):
+            for resident, ghost in order if prefer_t1 else order[::-1]:
+                for chunk in resident:
+                    if (not leaves or chunk not in kids) and evictable(chunk):
+                        del resident[chunk]
+                        ghost[chunk] = None
+                        self.forced += not leaves
+                        self._leave(chunk)
+                        return chunk
         return None
 
     def __len__(self) -> int:
@@ -109,4 +164,6 @@ class ARCPolicy(EvictionPolicy):
             "t2": len(self.t2),
             "b1": len(self.b1),
             "b2": len(self.b2),
+            "tree": True,
+            "forced": self.forced,
         }
