@@ -151,3 +151,19 @@ def test_lru_with_every_leaf_pinned_evicts_an_inner_chunk_and_orphans_its_childr
     assert lru.evict(always) == 2  # a root now, less recent than 0
     assert lru.evict(always) == 0
     assert lru.describe()["forced"] == 1
+
+
+def test_adaptive_follows_one_candidate_and_keeps_the_others_in_step() -> None:
+    from kvtier.agent.policy import AdaptivePolicy
+
+    policy = AdaptivePolicy(4)
+    for k in "abcdefgh":
+        if len(policy) >= 4:
+            victim = policy.evict(always, k)
+            assert victim is not None
+        policy.on_insert(k)
+        policy.on_hit("a")
+    state = policy.describe()
+    assert state["leader"] in ("lru", "prefix", "arc") and state["resident"] == 4
+    assert [len(m) for m in policy.members] == [4, 4, 4]
+    assert "a" in policy.members[0].t1  # the chunk used at every step stays, under any leader

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvtier.agent.policy.adaptive import AdaptivePolicy
 from kvtier.agent.policy.arc import ARCPolicy
 from kvtier.agent.policy.base import ChunkId, EvictionPolicy
 from kvtier.agent.policy.lru import LRUPolicy
@@ -11,6 +12,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
     "arc": ARCPolicy,
     "prefix": PrefixPolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 
@@ -26,6 +28,7 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
 __all__ = [
     "POLICIES",
     "ARCPolicy",
+    "AdaptivePolicy",
     "ChunkId",
     "EvictionPolicy",
     "LRUPolicy",

@@ -118,6 +118,16 @@ class ARCPolicy(EvictionPolicy):
             self.t2.pop(chunk, None)
             self._leave(chunk)
 
+    def on_evicted(self, chunk: ChunkId) -> None:
+        """Another policy chose `chunk` for eviction: it goes as if this one had evicted it
+        (remembered in the ghost list of the list it was in)."""
+        for resident, ghost in ((self.t1, self.b1), (self.t2, self.b2)):
+            if chunk in resident:
+                del resident[chunk]
+                ghost[chunk] = None
+                self._leave(chunk)
+                return
+
     def _leave(self, chunk: ChunkId) -> None:
         parent = self._parent.pop(chunk, None)
         if parent is not None:

@@ -62,6 +62,11 @@ class EvictionPolicy(ABC):
     def on_remove(self, chunk: ChunkId) -> None:
         """A resident chunk left for a reason of its own (corrupt, deleted), not eviction."""
 
+    def on_evicted(self, chunk: ChunkId) -> None:
+        """A resident chunk was evicted by another policy's choice (`adaptive` runs several
+        over one pool): by default as if it left for a reason of its own."""
+        self.on_remove(chunk)
+
     @abstractmethod
     def evict(
         self, evictable: Callable[[ChunkId], bool], incoming: ChunkId | None = None

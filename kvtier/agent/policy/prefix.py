@@ -171,6 +171,13 @@ class PrefixPolicy(EvictionPolicy):
         elif chunk in self._state:
             self._forget(chunk, remember=False)
 
+    def on_evicted(self, chunk: ChunkId) -> None:
+        """Another policy chose `chunk` for eviction: forgotten as resident, remembered."""
+        if self.arc is not None:
+            self.arc.on_evicted(chunk)
+        elif chunk in self._state:
+            self._forget(chunk, remember=True)
+
     def evict(
         self, evictable: Callable[[ChunkId], bool], incoming: ChunkId | None = None
     ) -> ChunkId | None:

@@ -1,0 +1,185 @@
+"""Eviction that follows the traffic: candidate policies run side by side on the pool, and
+the one that would hit most on the traffic of now chooses the victims.
+
+Each candidate (`lru`, `prefix` and `arc`, all leaves of the prefix tree first) is told every
+store, hit and eviction, so each always orders the chunks actually resident and any of
+them can take over at once. Which one evicts is decided by shadow caches: for each
+candidate, a copy of it at `rate` times the pool's size, fed only the chunks whose key
+hashes below `rate` (a scaled-down copy of the traffic, as SHARDS samples miss-ratio
+curves; `rate` is 1 for pools of up to 1,024 chunks and 1,024 chunks' worth above). A
+shadow counts the hits it would have had, a request's hits up to its first sampled miss,
+with a decay of about four shadow pools' worth of accesses; the leader changes when another
+shadow is ahead by 2%. The shadows' chains are the sampled chunks of a request in order.
+
+What it costs: every candidate's state for every resident chunk, plus the shadows (a few
+thousand entries whatever the pool), and each access reaches every candidate. Its state
+and decisions (`leader`, `switches`, each shadow's score) are in `describe`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtier.agent.policy.arc import ARCPolicy
+from kvtier.agent.policy.base import ChunkId, EvictionPolicy
+from kvtier.agent.policy.prefix import PrefixPolicy
+
+SHADOW_CHUNKS = 1024
+MARGIN = 1.02
+
+
+class KeyedLRUPolicy(ARCPolicy):
+    """`lru` by key, for running beside policies of keys: ARC's tree bookkeeping with
+    every chunk in T1 and no ghosts, which is the least recently used leaf first."""
+
+    name = "lru"
+
+    def on_hit(self, chunk: ChunkId) -> None:
+        if chunk in self.t1:
+            self.t1.move_to_end(chunk)
+
+    def on_insert(self, chunk: ChunkId) -> None:
+        self.b1.clear()
+        self.b2.clear()
+        self.p = float(self.capacity)
+        super().on_insert(chunk)
+        self.b1.clear()
+
+    def on_evicted(self, chunk: ChunkId) -> None:
+        self.on_remove(chunk)
+
+    def evict(
+        self, evictable: Callable[[ChunkId], bool], incoming: ChunkId | None = None
+    ) -> ChunkId | None:
+        self.p = 0.0
+        victim = super().evict(evictable, None)
+        self.b1.clear()
+        return victim
+
+
+class _Shadow:
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self.resident: set[ChunkId] = set()
+        self.score = 0.0
+
+    def access(self, chunk: ChunkId, parent: ChunkId | None, decay: float, alive: bool) -> bool:
+        """One sampled access; whether it hit (counted only while the request's sampled
+        prefix is alive)."""
+        self.score *= decay
+        policy = self.policy
+        if chunk in self.resident:
+            policy.on_hits((chunk,))
+            if alive:
+                self.score += 1.0
+            return True
+        policy.on_parents(((chunk, parent),))
+        if len(self.resident) >= policy.capacity:
+            victim = policy.evict(_always, chunk)
+            if victim is None:
+                return False
+            self.resident.discard(victim)
+        self.resident.add(chunk)
+        policy.on_inserts((chunk,))
+        return False
+
+
+def _always(_chunk: ChunkId) -> bool:
+    return True
+
+
+class AdaptivePolicy(EvictionPolicy):
+    name = "adaptive"
+
+    def __init__(self, capacity: int, candidates: Sequence[str] = ("lru", "prefix", "arc")) -> None:
+        super().__init__(capacity)
+        kinds: dict[str, type[EvictionPolicy]] = {
+            "lru": KeyedLRUPolicy,
+            "prefix": PrefixPolicy,
+            "arc": ARCPolicy,
+        }
+        self.names = list(candidates)
+        self.members = [kinds[n](capacity) for n in self.names]
+        self.rate = min(1.0, SHADOW_CHUNKS / max(capacity, 1))
+        small = max(8, round(capacity * self.rate))
+        self.shadows = [_Shadow(kinds[n](small)) for n in self.names]
+        self._threshold = int(self.rate * (1 << 32))
+        self._decay = 1.0 - 1.0 / (4 * small)
+        self.leader = 0
+        self.switches = 0
+        self._last: ChunkId | None = None  # the request's last sampled chunk
+        self._alive = [True] * len(self.shadows)
+        self._parents: dict[ChunkId, ChunkId] = {}
+
+    def _sampled(self, chunk: ChunkId) -> bool:
+        return (hash(chunk) & 0xFFFFFFFF) < self._threshold
+
+    def _observe(self, chunks: Sequence[ChunkId], fresh: bool) -> None:
+        if fresh:
+            self._last = None
+            self._alive = [True] * len(self.shadows)
+        for chunk in chunks:
+            if not self._sampled(chunk):
+                continue
+            for i, shadow in enumerate(self.shadows):
+                hit = shadow.access(chunk, self._last, self._decay, self._alive[i])
+                self._alive[i] = self._alive[i] and hit
+            self._last = chunk
+        best = max(range(len(self.shadows)), key=lambda i: self.shadows[i].score)
+        if best != self.leader and (
+            self.shadows[best].score > MARGIN * self.shadows[self.leader].score
+        ):
+            self.leader = best
+            self.switches += 1
+
+    # --- what the index tells it ---------------------------------------------------------
+
+    def on_parents(self, pairs: Sequence[tuple[ChunkId, ChunkId | None]]) -> None:
+        for member in self.members:
+            member.on_parents(pairs)
+        if pairs and pairs[0][1] is None:
+            self._last = None  # a store from the root: a new request's chain
+
+    def on_insert(self, chunk: ChunkId) -> None:
+        self.on_inserts((chunk,))
+
+    def on_inserts(self, chunks: Sequence[ChunkId]) -> None:
+        for member in self.members:
+            member.on_inserts(chunks)
+        self._observe(chunks, fresh=False)
+
+    def on_hit(self, chunk: ChunkId) -> None:
+        self.on_hits((chunk,))
+
+    def on_hits(self, chunks: Sequence[ChunkId]) -> None:
+        for member in self.members:
+            member.on_hits(chunks)
+        self._observe(chunks, fresh=True)
+
+    def on_remove(self, chunk: ChunkId) -> None:
+        for member in self.members:
+            member.on_remove(chunk)
+
+    def evict(
+        self, evictable: Callable[[ChunkId], bool], incoming: ChunkId | None = None
+    ) -> ChunkId | None:
+        victim = self.members[self.leader].evict(evictable, incoming)
+        if victim is not None:
+            for i, member in enumerate(self.members):
+                if i != self.leader:
+                    member.on_evicted(victim)
+        return victim
+
+    def __len__(self) -> int:
+        return len(self.members[self.leader])
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "tree": True,
+            "leader": self.names[self.leader],
+            "switches": self.switches,
+            "sample_rate": self.rate,
+            "scores": {n: s.score for n, s in zip(self.names, self.shadows, strict=True)},
+        }
