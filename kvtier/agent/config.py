@@ -273,6 +273,37 @@ class MetricsConfig(_Model):
     port: int = Field(default=9400, ge=0, le=65535)
 
 
+class EventStreamConfig(_Model):
+    """The node's KV events on ZMQ for routers outside the engines, in vLLM's KV-event wire
+    format (`--kv-events-config` publisher zmq): msgpack KVEventBatch messages
+    (topic, sequence, payload) on a PUB socket and a ROUTER socket that replays from a
+    sequence number."""
+
+    enabled: bool = Field(default=False, description="Publish the stream (off by default).")
+    bind: str = Field(default="tcp://0.0.0.0:5558", description="The PUB socket.")
+    replay_bind: str = Field(default="tcp://0.0.0.0:5559", description="The replay ROUTER socket.")
+    topic: str = Field(
+        default="kv@{node}@{namespace}",
+        max_length=253,
+        description="Each batch's topic; {node} and {namespace} are filled in. A batch "
+        "clearing the node (AllBlocksCleared) has an empty namespace.",
+    )
+    buffer_steps: int = Field(
+        default=10000, ge=1, le=1 << 20, description="Batches kept for replay."
+    )
+    int_block_hashes: bool = Field(
+        default=True,
+        description="Block hashes as 64-bit integers (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_"
+        "HASHES default), else as bytes.",
+    )
+    curve_key_dir: Path | None = Field(
+        default=None,
+        description="CURVE key pair (public.key, secret.key, Z85; the peer tier's Secret): "
+        "subscribers must dial with a trusted key pair and this public key. Unset: open.",
+    )
+    interval_seconds: float = Field(default=0.05, gt=0, le=10)
+
+
 class AgentConfig(_Model):
     """Everything one agent process needs; one agent serves one KVCacheTier on one node."""
 
@@ -301,6 +332,7 @@ class AgentConfig(_Model):
     metrics: MetricsConfig = MetricsConfig()
     report: ReportConfig = ReportConfig()
     access_log: AccessLogConfig = AccessLogConfig()
+    events: EventStreamConfig = EventStreamConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @model_validator(mode="after")

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -47,6 +48,9 @@ from kvtier.agent.secondary import SecondaryTiers
 from kvtier.agent.shm_index import digests
 from kvtier.agent.stats import AgentStats
 from kvtier.agent.tiers import TierContext
+
+if TYPE_CHECKING:
+    from kvtier.agent.event_stream import EventStream
 
 log = logging.getLogger("kvtier.agent")
 
@@ -94,6 +98,11 @@ class Agent:
             else None
         )
         self.peer_tier = self.tiers.peer() if self.tiers is not None else None
+        self.event_stream: EventStream | None = None
+        if config.events.enabled:
+            from kvtier.agent.event_stream import EventStream
+
+            self.event_stream = EventStream(config.events, self.events, self.pump_events)
         self.clients = ClientRegistry(config.run_dir / "clients")
         self.access_log = AccessLog(  # what `kvtier trace` exports
             config.access_log.max_keys, config.access_log.sample_rate
@@ -119,6 +128,10 @@ class Agent:
         )
         self.metrics.count_from(self.stats)
 
+    def pump_events(self) -> None:
+        """The pool's new events into the node's (`events`)."""
+        self.events.pump(self.host.events_since, self.host.held)
+
     def stats(self) -> AgentStats:
         return AgentStats(
             name=self.config.name,
@@ -131,6 +144,8 @@ class Agent:
 
     def serve(self) -> None:
         cfg = self.config
+        if self.event_stream is not None:
+            self.event_stream.start()
         if self.reporter is not None:
             self.reporter.start()
         if cfg.metrics.enabled:
@@ -177,6 +192,8 @@ class Agent:
         if self.registry is not None:
             self.registry.close()
         self._workers.shutdown(wait=True, cancel_futures=True)
+        if self.event_stream is not None:
+            self.event_stream.close()
         self._sock.close()
         self._replies.close()
         self.config.socket_path.unlink(missing_ok=True)
@@ -295,7 +312,7 @@ class Agent:
             case p.EndLoad(lease):
                 host.end_load(lease, client)
             case p.Events(namespace, after):
-                self.events.pump(host.events_since, host.held)
+                self.pump_events()
                 node = self.events.since(namespace, after)
                 runs = [p.EventRun(r.medium, r.locality, r.removed, r.keys) for r in node.runs]
                 pool = [r for r in runs if (r.medium, r.locality) == ("CPU", "LOCAL")]
