@@ -154,6 +154,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    if args.nodes is not None:
+        from kvtier.route_replay import main as route_main
+
+        return route_main(args)
     from kvtier.replay import main as replay_main
 
     return replay_main(args)
@@ -331,6 +335,19 @@ def _replay_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per hash id for records without block_size (default 512)",
     )
     parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="replay over N nodes (pool and storage each), routing requests by --route",
+    )
+    parser.add_argument(
+        "--route",
+        choices=["prefix", "random", "both"],
+        default="prefix",
+        help="with --nodes: to the node whose KV event stream shows the longest cached "
+        "prefix (compared with random), or at random",
+    )
     parser.add_argument(
         "--agent",
         default=None,
