@@ -118,7 +118,7 @@ def _schema_fields(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, An
     if "$ref" in schema:
         schema = defs[schema["$ref"].rsplit("/", 1)[1]]
     if "anyOf" in schema:
-        schema = next(s for s in schema["anyOf"] if s.get("type") != "null")
+        return _schema_fields(next(s for s in schema["anyOf"] if s.get("type") != "null"), defs)
     if schema.get("type") == "array":
         return _schema_fields(schema["items"], defs)
     props = schema.get("properties", {})

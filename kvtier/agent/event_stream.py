@@ -43,6 +43,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvtier.agent.config import EventStreamConfig
 from kvtier.agent.events import NodeEvent, NodeEvents, Residency
+from kvtier.agent.stats import EventStreamStats
 from kvtier.agent.tiers.peer_wire import TrustedKeys, load_keys
 
 log = logging.getLogger("kvtier.agent.events")
@@ -189,6 +190,15 @@ class EventStream:
         sock.bind(address)
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         return bound.replace("0.0.0.0", pod_ip or socket.gethostname())
+
+    def stats(self) -> EventStreamStats:
+        """The addresses a router dials, for the node's report (KVCacheNode status.events)."""
+        return EventStreamStats(
+            endpoint=self.endpoint,
+            replay_endpoint=self.replay_endpoint,
+            topic=self.config.topic.replace("{node}", self.events.owner),
+            curve_key=self.curve_key,
+        )
 
     def topic(self, namespace: str) -> bytes:
         return self.config.topic.format(node=self.events.owner, namespace=namespace).encode()

@@ -45,6 +45,15 @@ class NodeSummary(msgspec.Struct, rename="camel", kw_only=True):
     peers: int = 0
 
 
+class EventStreamStatus(msgspec.Struct, rename="camel", kw_only=True, omit_defaults=True):
+    """Where a router subscribes to this node's KV events (vLLM's KV-event wire format)."""
+
+    endpoint: str
+    replay_endpoint: str
+    topic: str
+    curve_key: str | None = None
+
+
 class NodeStatus(msgspec.Struct, rename="camel", kw_only=True):
     heartbeat: str | None = None
     ready: bool = False
@@ -55,6 +64,7 @@ class NodeStatus(msgspec.Struct, rename="camel", kw_only=True):
     fingerprints: list[str] = []
     conditions: list[Condition] = []
     summary: NodeSummary = msgspec.field(default_factory=NodeSummary)
+    events: EventStreamStatus | None = None
 
     @property
     def host(self) -> TierStatus | None:
@@ -76,6 +86,8 @@ class NodeStatus(msgspec.Struct, rename="camel", kw_only=True):
 
     def to_manifest(self) -> dict[str, Any]:
         manifest: dict[str, Any] = msgspec.to_builtins(self)
+        if self.events is None:  # no stream: no field (the registry's patch clears one
+            del manifest["events"]  # an earlier agent of the node left)
         return manifest
 
 
@@ -123,6 +135,7 @@ def build_report(stats: AgentStats, now: dt.datetime) -> NodeStatus:
         for tier in stats.tiers
     ]
     unhealthy = [t.name for t in tiers if not t.healthy]
+    stream = stats.events
     hits = sum(t.hits for t in tiers)
     return NodeStatus(
         heartbeat=now.strftime(TIMESTAMP),
@@ -137,6 +150,16 @@ def build_report(stats: AgentStats, now: dt.datetime) -> NodeStatus:
             host=f"{host.used_bytes >> 20}Mi/{host.capacity_bytes >> 20}Mi",
             hit_rate=f"{hits / host.lookups:.0%}" if host.lookups else "-",
             peers=len(stats.peers),
+        ),
+        events=(
+            EventStreamStatus(
+                endpoint=stream.endpoint,
+                replay_endpoint=stream.replay_endpoint,
+                topic=stream.topic,
+                curve_key=stream.curve_key,
+            )
+            if stream is not None
+            else None
         ),
     )
 

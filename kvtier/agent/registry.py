@@ -239,7 +239,9 @@ class KubernetesRegistry(Registry):
             self._client.patch(
                 KVCacheNode.Status,
                 self.name,
-                {"status": status},
+                # a merge patch: fields it leaves out stay, so a stream this agent does not
+                # run (events) is cleared, not left as an earlier agent's address
+                {"status": {"events": None, **status}},
                 namespace=self.namespace,
                 patch_type=PatchType.MERGE,
             )

@@ -140,6 +140,7 @@ class Agent:
             peers=self.peer_tier.peers() if self.peer_tier is not None else [],
             clients=len(self.clients),
             metrics_port=self.metrics_port,
+            events=self.event_stream.stats() if self.event_stream is not None else None,
         )
 
     def serve(self) -> None:

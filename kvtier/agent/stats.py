@@ -179,6 +179,15 @@ class TierStats(msgspec.Struct, kw_only=True):
     peer: PeerCounts | None = None
 
 
+class EventStreamStats(msgspec.Struct, kw_only=True):
+    """Where routers subscribe to the node's KV event stream (`event_stream.py`)."""
+
+    endpoint: str  # the PUB socket, e.g. tcp://10.0.0.7:5558
+    replay_endpoint: str  # the replay ROUTER socket
+    topic: str  # the batches' topic with the node filled in, {namespace} left to fill
+    curve_key: str | None = None  # the CURVE public key it serves with; None: open
+
+
 class AgentStats(msgspec.Struct, kw_only=True):
     """The whole agent: the host tier, the secondary tiers in lookup order, the peers it
     talks to, its clients, and where its metrics are served (None while not serving)."""
@@ -189,6 +198,7 @@ class AgentStats(msgspec.Struct, kw_only=True):
     peers: list[str]
     clients: int
     metrics_port: int | None = None
+    events: EventStreamStats | None = None  # None: no event stream
 
     def tier(self, name: str) -> TierStats:
         """The secondary tier called `name`; KeyError naming the tiers there are."""

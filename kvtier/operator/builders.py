@@ -136,6 +136,47 @@ _TIER_KINDS = {
 }
 
 
+def event_ports(spec: Manifest) -> tuple[int, int] | None:
+    """The node event stream's PUB and replay ports (`spec.agent.events`), None when off."""
+    events = spec.get("agent", {}).get("events")
+    if events is None:
+        return None
+    port = int(events["port"])
+    return port, int(events.get("replayPort", port + 1))
+
+
+def _event_stream(spec: Manifest) -> Manifest:
+    """The agent's `events`: off unless the tier names a port; authenticated with the first
+    peer tier's key pair (the Secret the pod already mounts for it), open without one."""
+    ports = event_ports(spec)
+    if ports is None:
+        return {}
+    events = spec["agent"]["events"]
+    taken = {"spec.agent.metricsPort": spec.get("agent", {}).get("metricsPort", 9400)}
+    peers = [t for t in spec.get("tiers", []) if "peer" in t]
+    for i, t in enumerate(spec.get("tiers", [])):
+        if "peer" in t:
+            taken[f"spec.tiers[{i}].peer.port"] = t["peer"].get("port", 5557)
+    for field, port in taken.items():
+        if port in ports:
+            raise ConfigError(
+                [
+                    f"spec.agent.events: port {port} is also {field}; fix: give the event "
+                    "stream (port and replayPort, port + 1 when unset) ports of its own"
+                ]
+            )
+    stream: Manifest = {
+        "enabled": True,
+        "bind": f"tcp://0.0.0.0:{ports[0]}",
+        "replayBind": f"tcp://0.0.0.0:{ports[1]}",
+    }
+    if "topic" in events:
+        stream["topic"] = events["topic"]
+    if peers:
+        stream["curveKeyDir"] = f"{CURVE_MOUNT}/{peers[0]['name']}"
+    return stream
+
+
 def _agent_tier(entry: Manifest) -> Manifest:
     config = {
         "name": entry["name"],
@@ -165,6 +206,7 @@ def build_agent_config(tier: Manifest, settings: OperatorSettings) -> AgentConfi
             "tiers": tiers,
             "metrics": {"port": agent.get("metricsPort", 9400)},
             "accessLog": agent.get("accessLog", {}),
+            "events": _event_stream(spec),
             # Each agent writes its own KVCacheNode, which the operator aggregates.
             "report": {
                 "target": "kubernetes",
@@ -274,6 +316,16 @@ def agent_resources(spec: Manifest) -> Manifest:
     return {"requests": {"cpu": "100m", "memory": memory}, "limits": {"memory": memory}}
 
 
+EVENT_PORT_NAMES = ("events", "events-replay")
+
+
+def _event_container_ports(spec: Manifest) -> list[Manifest]:
+    ports = event_ports(spec)
+    if ports is None:
+        return []
+    return [{"name": n, "containerPort": p} for n, p in zip(EVENT_PORT_NAMES, ports, strict=True)]
+
+
 def _agent_container(
     tier: Manifest, config: AgentConfig, settings: OperatorSettings, mounts: list[Manifest]
 ) -> Manifest:
@@ -289,6 +341,7 @@ def _agent_container(
                 for t in spec.get("tiers", [])
                 if "peer" in t
             ],
+            *_event_container_ports(spec),
         ],
         "env": [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
@@ -382,7 +435,15 @@ def build_service(tier: Manifest, config: AgentConfig) -> Manifest:
         "spec": {
             "clusterIP": "None",
             "selector": labels(name),
-            "ports": [{"name": "metrics", "port": config.metrics.port, "targetPort": "metrics"}],
+            # Headless: a router resolves every agent's address and subscribes to each
+            # node's stream (KVCacheNode status.events names the same addresses).
+            "ports": [
+                {"name": "metrics", "port": config.metrics.port, "targetPort": "metrics"},
+                *[
+                    {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]}
+                    for p in _event_container_ports(tier["spec"])
+                ],
+            ],
         },
     }
 
