@@ -232,3 +232,36 @@ def test_engines_read_every_tiers_events_through_the_agent(
         os.unlink(next(p for p in fs_root.rglob("*") if p.name == key(59).hex()))
         wait_for(caught_up)  # the next scan finds it gone
         assert key(59) not in held[("STORAGE", "LOCAL")]
+
+
+def test_a_peer_tier_reports_nothing_its_holders_report_their_pools(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: Callable[[AgentConfig], AgentProcess],
+    scratch: Path,
+) -> None:
+    """Peers' chunks are on the holders' events as their pools' (CPU LOCAL, their node the
+    owner), never on the asker's as CPU REMOTE, whichever agent is their home in the
+    directory: the asker reports a chunk only once a read brought it into its own pool."""
+    from tests.peer_helpers import node_config, shared_between
+
+    a = agent_factory(node_config(make_config, scratch, "node-a", None))
+    b = agent_factory(node_config(make_config, scratch, "node-b", None))
+    wait_for(lambda: len(list((scratch / "registry").glob("*.json"))) == 2)
+    ids = list(range(16))  # homed on both agents: every key is on some home
+    held: dict[str, Held] = {"node-a": {}, "node-b": {}}
+    seen = {"node-a": 0, "node-b": 0}
+
+    def read(agent: AgentProcess, node: str) -> Held:
+        with AgentClient(agent.config.endpoint) as client:
+            reply = client.events(NS, seen[node])
+            assert reply.owner == node
+            seen[node] = reply.seq
+            _apply(held[node], reply)
+        return held[node]
+
+    with AgentClient(b.config.endpoint) as consumer:
+        shared_between(a.config.endpoint, consumer, ids)
+        assert read(a, "node-a") == {("CPU", "LOCAL"): {key(i) for i in ids}}
+        assert read(b, "node-b") == {}  # found through peers, held by node-a
+        assert load_exact(consumer, ids[:4]) == [True] * 4  # promoted into node-b's pool
+        assert read(b, "node-b") == {("CPU", "LOCAL"): {key(i) for i in ids[:4]}}

@@ -10,6 +10,17 @@ so a router never reads a removal for a chunk the node still holds. vLLM engines
 node's events (`Events` requests) and the agent publishes them on its own ZMQ stream
 (`event_stream.py`), so a router learns what the whole node holds, not only what one engine
 offloaded. The logs are bounded; a reader that fell too far behind is told so.
+
+The peer tier reports nothing, on purpose. What it gives this node is the pools of the
+tier's other agents, and those agents already publish them (medium CPU, locality LOCAL,
+their own node as owner). This node does not know what its peers hold: it keeps only the
+share of the tier's directory homed on it (announcements for keys that hash here, soft
+state that expires), an accident of rendezvous hashing, not what this node can serve. As
+CPU REMOTE events that share would tell a router that the key's home is a better place for
+a prefix than any other member, when every member reaches a peer's chunk at the same cost,
+and its removals (expiry, a holder's withdrawal) would trail or miss the holder's own. A
+router that counts peers as reachable reads it from the holder's stream: a chunk in one
+member's pool is one peer read away from every member of the tier.
 """
 
 from __future__ import annotations
@@ -102,8 +113,9 @@ class Residency(NamedTuple):
 
 POOL = Residency("CPU", "LOCAL")
 STORAGE = Residency("STORAGE", "LOCAL")
-PEERS = Residency("CPU", "REMOTE")
-RESIDENCY_OF_KIND = {"filesystem": STORAGE, "objectStore": STORAGE, "peer": PEERS}
+# The residency each kind of secondary tier reports as; the peer tier reports nothing (see
+# the module's docstring): its chunks are on the holders' streams as their pools'.
+RESIDENCY_OF_KIND = {"filesystem": STORAGE, "objectStore": STORAGE}
 
 
 class NodeEvent(NamedTuple):

@@ -123,8 +123,12 @@ class SecondaryTiers:
 
     @staticmethod
     def _report_holdings(tier: _Tier, events: NodeEvents) -> None:
-        """What a tier comes to hold and lets go of, to the node's KV events."""
-        events.add_tier(tier.name, RESIDENCY_OF_KIND[tier.backend.kind])
+        """What a tier comes to hold and lets go of, to the node's KV events (the peer
+        tier's none: its chunks are in other nodes' pools, on their streams)."""
+        residency = RESIDENCY_OF_KIND.get(tier.backend.kind)
+        if residency is None:
+            return
+        events.add_tier(tier.name, residency)
 
         def holdings(namespace: str, keys: list[bytes], removed: bool) -> None:
             events.record(tier.name, namespace, keys, removed)

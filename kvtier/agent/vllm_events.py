@@ -1,8 +1,9 @@
 """KV events for vLLM: what the node stored or let go of in this engine's namespace, on
-every tier (the pool, the filesystem and object store, peers), from every engine on the
-node, fetched in the background every `EVENTS_POLL_SECONDS` and handed to vLLM when it asks.
-Each event carries the tier's medium and locality (`Medium.CPU` LOCAL for the pool,
-`Medium.STORAGE` LOCAL for the filesystem and object store, CPU REMOTE for peers) and, where
+every tier (the pool, the filesystem and object store; not peers, whose chunks are on their
+own nodes' events, see `events.py`), from every engine on the node, fetched in the
+background every `EVENTS_POLL_SECONDS` and handed to vLLM when it asks. Each event carries
+the tier's medium and locality (`Medium.CPU` LOCAL for the pool, `Medium.STORAGE` LOCAL for
+the filesystem and object store) and, where
 the engine's vLLM has the field, `ownership` set to the node: one owner for every engine on
 it, so a router counts the node's holdings once, whichever engine stored them. An agent
 older than its events' tiers sends only the pool's, reported as this tier's medium.
