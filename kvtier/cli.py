@@ -122,7 +122,8 @@ def _csi(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.legacy_dir is not None and (removed := remove_legacy_pools(args.legacy_dir)):
         logging.getLogger("kvtier.csi").info("removed legacy pools: %s", ", ".join(removed))
-    plugin = NodePlugin(args.node_id, Volumes(args.state_dir, args.target_root), KubernetesTiers())
+    volumes = Volumes(args.state_dir, args.target_root, args.agent_uid)
+    plugin = NodePlugin(args.node_id, volumes, KubernetesTiers())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     run(plugin, args.endpoint, args.sweep_seconds, stop)
@@ -203,6 +204,12 @@ def _csi_arguments(parser: argparse.ArgumentParser) -> None:
         help="where earlier versions kept pools (a hostPath); emptied and removed at start",
     )
     parser.add_argument("--sweep-seconds", type=float, default=30.0, help="freeing deleted tiers")
+    parser.add_argument(
+        "--agent-uid",
+        type=int,
+        default=65532,
+        help="the agents' uid (the operator's agentUid): owner of each tier's pool/ and run/",
+    )
 
 
 def _operator_arguments(parser: argparse.ArgumentParser) -> None:

@@ -37,6 +37,7 @@ TIERS = {
     ("team-c", "big"): "256Mi",
 }
 CHUNK_SIZES = {("team-c", "big"): "64Ki"}  # the others use the default, 2Mi
+AGENT = os.geteuid()  # the agents these tests start run as the test's own uid
 
 
 @dataclass
@@ -106,7 +107,7 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Node]:
             )
         pods = base / "kubelet/pods"
         pods.mkdir(parents=True)
-        volumes = Volumes(base / "state", pods)
+        volumes = Volumes(base / "state", pods, AGENT)
         plugin = NodePlugin("node-1", volumes, KubernetesTiers())
         socket = tmp_path / "csi.sock"
         server = serve(plugin, f"unix://{socket}")
@@ -145,10 +146,15 @@ def test_publish_gives_the_pod_its_tiers_tmpfs_sized_and_grouped_from_the_tier(
     stat = os.statvfs(target)
     assert stat.f_blocks * stat.f_frsize == tier_volume_bytes(32 << 20, 2 << 20)
     gid = tier_group("team-a", "llama")
-    for path in (target, target / "pool", target / "run"):
+    layout = {
+        target: (0, 0o2770),
+        target / "pool": (AGENT, 0o2750),
+        target / "run": (AGENT, 0o3770),
+    }
+    for path, (owner, mode) in layout.items():
         info = path.stat()
-        assert info.st_gid == gid and info.st_uid == 0, path
-        assert info.st_mode & 0o7777 == 0o2770, (path, oct(info.st_mode))
+        assert info.st_gid == gid and info.st_uid == owner, path
+        assert info.st_mode & 0o7777 == mode, (path, oct(info.st_mode))
 
 
 def test_publish_is_idempotent_and_pods_of_a_tier_share_one_directory(node: Node) -> None:

@@ -1,7 +1,7 @@
 """Any pod identity works, and only with the tier's group: clients as root (vLLM images), as
 the agent's 65532 and as an OpenShift-style random uid, each with and without the tier's
-group, against a live agent whose directory is laid out as the CSI plugin makes it (root and
-the tier's group, setgid, group-only). A client without the group gets AgentUnavailable
+group, against a live agent whose directory is laid out as the CSI plugin makes it (the
+agent's and the tier's group, setgid, group-only). A client without the group gets AgentUnavailable
 with the reason, at once; the agent keeps serving everyone else. Clients are forked from the
 test process and drop to their identity, so they need no interpreter of their own (the
 test's virtual environment may sit where other uids cannot read). Needs root."""
@@ -36,10 +36,10 @@ def tier_agent() -> Iterator[AgentConfig]:
     base = Path(tempfile.mkdtemp(prefix="kv-id-", dir="/dev/shm"))
     base.chmod(0o755)
     volume = base / "vol"
-    for path in (volume, volume / "pool", volume / "run"):
+    for path, mode in ((volume, 0o2770), (volume / "pool", 0o2750), (volume / "run", 0o3770)):
         path.mkdir()
-        os.chown(path, 0, GROUP)
-        path.chmod(0o2770)
+        os.chown(path, 0, GROUP)  # the agent here runs as root: the owner of pool/ and run/
+        path.chmod(mode)
     config = scratch_config(volume, "identity", 16 * (ROW + 4096) + 4096, ROW)
     try:
         with AgentProcess(config):

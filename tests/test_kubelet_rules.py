@@ -91,9 +91,12 @@ class Cluster:
         wait_ready(pod.containers[0], container["readinessProbe"])
         return pod
 
-    def client(self, tier: dict[str, Any], action: str, count: int = CHUNKS) -> dict[str, int]:
+    def client(self, tier: dict[str, Any], action: str, count: int = CHUNKS) -> dict[str, Any]:
         """An injected pod (the webhook's mutation of a plain restricted pod) that stores or
-        loads through the tier's volume, as another uid with only the tier's group."""
+        loads through the tier's volume, or tries to replace its pool (see
+        tests/kubelet_client.py), as another uid with only the tier's group."""
+        config = agent_config(tier)
+        target = str(config.pool_path) if action == "replace" else config.endpoint
         pod = {
             "metadata": {
                 "name": f"vllm-{action}",
@@ -115,7 +118,7 @@ class Cluster:
                             sys.executable,
                             str(REPO / "tests/kubelet_client.py"),
                         ],
-                        "args": [action, agent_config(tier).endpoint, str(count), str(ROW)],
+                        "args": [action, target, str(count), str(ROW)],
                         "securityContext": {
                             "allowPrivilegeEscalation": False,
                             "capabilities": {"drop": ["ALL"]},
@@ -333,3 +336,39 @@ def test_the_examples_peer_and_s3_tiers_start_with_secrets_as_kubelet_mounts_the
         assert agent.containers[0].alive(), agent.containers[0].log_tail()
         cluster.kubelet.delete_pod(agent)
     shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_pod_of_the_tier_cannot_put_its_own_file_in_the_pools_place(cluster: Cluster) -> None:
+    """The pool's directory is the agent's: a tier member (uid 1000 with the tier's group)
+    that copies the pool, changes the copy's bytes and renames it over the pool is refused,
+    so every client goes on loading the chunks that were stored, also after a restart."""
+    port = free_port()
+    tier = host_tier("llama", "64Mi", port)
+    cluster.apply_tier(tier)
+    agent = cluster.agent_pod(tier, port)
+    assert cluster.client(tier, "store")["stored"] == CHUNKS
+    attempt = cluster.client(tier, "replace")
+    loaded = cluster.client(tier, "load")
+    assert loaded["identical"] == CHUNKS and attempt["replaced"] is False, (attempt, loaded)
+    cluster.kubelet.restart(agent)
+    assert _warm_check(cluster, tier, agent) == CHUNKS
+
+
+def test_an_agent_never_takes_up_a_pool_file_it_did_not_make(cluster: Cluster) -> None:
+    """A pool file of another uid where the pool goes (planted while an earlier layout let
+    the tier's group write the directory) is removed and made anew, and said in the log;
+    clients map only the agent's own."""
+    port = free_port()
+    tier = host_tier("llama", "64Mi", port)
+    cluster.apply_tier(tier)
+    first = cluster.agent_pod(tier, port)
+    volume = cluster.kubelet.host(f"/var/lib/kvtier/csi/{tier_dir(NAMESPACE, 'llama')}")
+    pool = volume / "pool" / agent_config(tier).pool_path.name
+    cluster.kubelet.delete_pod(first)
+    os.chown(pool, 1000, -1)  # as if a tier member had put it there
+    agent = cluster.agent_pod(tier, port)
+    assert pool.stat().st_uid == SETTINGS.agent_uid
+    log = agent.containers[0].log_tail(200)
+    assert "made by uid 1000 and not by this agent" in log, log
+    assert cluster.client(tier, "store")["stored"] == CHUNKS
+    assert cluster.client(tier, "load")["identical"] == CHUNKS

@@ -48,6 +48,7 @@ import zmq
 from kvtier.agent import protocol as p
 from kvtier.agent.liveness import ClientLock
 from kvtier.agent.pool import Bytes, PoolMap, staging_path
+from kvtier.agent.shm_files import foreign
 from kvtier.agent.shm_index import TableReader, digests, index_path
 from kvtier.agent.stats import AgentStats
 
@@ -205,6 +206,14 @@ class AgentClient:
                     staging.close()
                 self.staging = PoolMap.open(staged)
                 self._boot = reply.boot
+            # Only the agent's own files are used: a file another pod of the tier put in
+            # their place (or a directory it may change) gives misses, never its bytes.
+            assert self.staging is not None
+            why = foreign(pool.fd, path, group_writes=False) or foreign(
+                self.staging.fd, staged, group_writes=True
+            )
+            if why is not None:
+                raise AgentUnavailable(f"not the agent's pool: {why}")
         except (AgentUnavailable, _NotRegistered):
             raise
         except (OSError, ValueError) as exc:
@@ -231,7 +240,7 @@ class AgentClient:
             fresh = TableReader(index_path(pool_path))
         except (OSError, ValueError):
             return
-        if fresh.boot != boot or fresh.retired:
+        if fresh.boot != boot or fresh.retired or foreign(fresh.fd, fresh.path, False):
             fresh.close()
             return
         self.index = fresh

@@ -48,6 +48,7 @@ from kvtier.agent.pool_layout import (
 )
 from kvtier.agent.pool_resize import open_pool
 from kvtier.agent.protocol import StoreCode
+from kvtier.agent.shm_files import claim, close_directory
 from kvtier.agent.shm_index import U64, TableWriter, index_path
 from kvtier.agent.stats import HostStats, PolicyStats, StoreSkip, StoreSkips, Tally
 
@@ -79,6 +80,10 @@ class HostTier:
         self.metrics = metrics
         self.lease_seconds = lease_seconds
         geometry = pool_geometry(config.capacity, config.chunk_bytes)
+        close_directory(pool_path.parent)
+        for path in (pool_path, staging_path(pool_path), index_path(pool_path)):
+            for owner in claim(path):
+                log.warning("removed %s, made by uid %d and not by this agent", path, owner)
         self.pool, opened = open_pool(pool_path, geometry, populate=config.prefault)
         staging = staging_geometry(geometry)
         self.staging = open_staging(staging_path(pool_path), staging, populate=config.prefault)

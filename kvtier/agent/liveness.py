@@ -78,7 +78,7 @@ class ClientRegistry:
         # its umask (vLLM's 022) would close it to every other uid of the group.
         lock_dir.mkdir(parents=True, exist_ok=True)
         try:
-            os.chmod(lock_dir, 0o2770)
+            os.chmod(lock_dir, 0o3770)  # sticky: a client removes only its own lock
         except PermissionError:
             log.warning("cannot open %s to the tier's group: it belongs to another uid", lock_dir)
         self._locks: dict[str, Path] = {}

@@ -75,6 +75,11 @@ class PoolMap:
             raise ValueError(f"{path} is not a kvtier pool of format {POOL_VERSION}")
         return cls(path, geometry, populate, writable)
 
+    @property
+    def fd(self) -> int:
+        """The open file behind the mapping (what a client checks the owner of)."""
+        return self._fd
+
     def payload(self, slot: int, nbytes: int | None = None) -> Bytes:
         start = self.geometry.payload_offset(slot)
         n = self.geometry.payload_bytes if nbytes is None else nbytes

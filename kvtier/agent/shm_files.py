@@ -11,6 +11,7 @@ mode is set on the open file, so the umask neither widens nor narrows it.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 
@@ -31,3 +32,49 @@ def new_file(path: Path, size: int, mode: int, header: bytes) -> Path:
     finally:
         os.close(fd)
     return target
+
+
+def claim(path: Path) -> list[int]:
+    """Remove `path` and its `.new` if this process does not own them (or they are not
+    plain files): in the agent's directory only the agent makes files, so another uid's
+    file there (planted before this agent's first start, or left from a layout where the
+    tier's group could write the directory) is never taken up. Returns the owners of what
+    was removed."""
+    removed = []
+    for candidate in (path, path.with_name(path.name + ".new")):
+        try:
+            info = os.lstat(candidate)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+            continue
+        os.unlink(candidate)
+        removed.append(info.st_uid)
+    return removed
+
+
+def foreign(fd: int, path: Path, group_writes: bool) -> str | None:
+    """Why the file open at `fd` (found at `path`) is not the agent's, or None. The agent's
+    files belong to the owner of their directory, which nobody else may change (not
+    writable by the group unless sticky, never by others); a pool or index is writable by
+    its owner alone (`group_writes` false), the staging area by its group too."""
+    info, directory = os.fstat(fd), os.stat(path.parent)
+    sticky = directory.st_mode & stat.S_ISVTX
+    if not stat.S_ISREG(info.st_mode):
+        return f"{path} is not a file"
+    if info.st_uid != directory.st_uid:
+        return f"{path} belongs to uid {info.st_uid}, not to its directory's owner"
+    if directory.st_mode & 0o002 or (directory.st_mode & 0o020 and not sticky):
+        return f"{path.parent} may be changed by others than its owner"
+    if info.st_mode & (0o002 if group_writes else 0o022):
+        return f"{path} is writable by others than its owner"
+    return None
+
+
+def close_directory(directory: Path) -> None:
+    """The agent's own pool directory made unwritable to its group and others (a directory
+    it made itself, outside a CSI volume, may have been made with a loose umask): only then
+    do clients trust the files in it (`foreign`)."""
+    info = os.stat(directory)
+    if info.st_uid == os.geteuid() and info.st_mode & 0o022:
+        os.chmod(directory, stat.S_IMODE(info.st_mode) & ~0o022)

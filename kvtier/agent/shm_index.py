@@ -411,6 +411,11 @@ class TableReader:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         return False
 
+    @property
+    def fd(self) -> int:
+        """The open file behind the mapping (what a client checks the owner of)."""
+        return self._fd
+
     def close(self) -> None:
         """Unmap when no view is left; another thread may still be probing, so the views
         stay valid until this reader is dropped."""

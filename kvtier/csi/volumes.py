@@ -2,9 +2,11 @@
 the agent's socket directory), created on the first publish for that tier, bind-mounted into
 each pod of the tier, and freed when the tier is gone and no pod uses it any more.
 
-The tier directory belongs to root and the tier's group, with setgid directories and
-group-only modes: any uid holding the group (root, the agent's 65532, OpenShift's random
-uids) works in it, no other uid does, and files created in it keep the tier's group.
+The tier directory belongs to root and the tier's group, its `pool/` and `run/` to the
+agent's uid and the tier's group, setgid and closed to other uids: any uid holding the group
+(root, the agent's 65532, OpenShift's random uids) reads the pool and talks to the agent, no
+other uid does, and files created inside keep the tier's group. Only the agent makes files in
+`pool/`; in `run/` (sticky) each client touches only its own lock file.
 
 Whatever the plugin finds at start is adopted, never cleared: tier tmpfs mounts and bind
 mounts from before a restart are the pools of running agents, and a directory kubelet gave
@@ -33,7 +35,11 @@ from kvtier.csi.mounts import (
 
 log = logging.getLogger("kvtier.csi")
 DIR_MODE = 0o2770  # setgid: what is created inside keeps the tier's group
-SUBDIRS = ("pool", "run")  # the agent's poolDir and runDir inside the volume
+AGENT_UID = 65532  # the agent's runAsUser (the operator's agentUid, the image's USER)
+# The agent's poolDir and runDir inside the volume, both the agent's: the tier's group opens
+# files in pool/ but cannot create, rename or remove any (so it cannot put a file of its own
+# in the pool's place), and in run/ (sticky) makes its lock files and touches only those.
+SUBDIRS = {"pool": 0o2750, "run": 0o3770}
 
 
 @dataclass(frozen=True)
@@ -47,9 +53,10 @@ class TierVolume:
 
 
 class Volumes:
-    def __init__(self, state_dir: Path, target_root: Path) -> None:
+    def __init__(self, state_dir: Path, target_root: Path, agent_uid: int = AGENT_UID) -> None:
         self.state_dir = state_dir
         self.target_root = target_root
+        self.agent_uid = agent_uid
         state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(state_dir, 0o711)  # tier directories are reached by exact name only
 
@@ -71,11 +78,11 @@ class Volumes:
             )
         elif f"size={volume.size_bytes // 1024}k" not in current.options:
             self._resize(path, volume)
-        for sub in SUBDIRS:
+        for sub, mode in SUBDIRS.items():
             sub_path = path / sub
             sub_path.mkdir(exist_ok=True)
-            os.chown(sub_path, 0, volume.gid)
-            os.chmod(sub_path, DIR_MODE)
+            os.chown(sub_path, self.agent_uid, volume.gid)
+            os.chmod(sub_path, mode)
         return path
 
     def _resize(self, path: Path, volume: TierVolume) -> None:
