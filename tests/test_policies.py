@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -167,3 +168,21 @@ def test_adaptive_follows_one_candidate_and_keeps_the_others_in_step() -> None:
     assert state["leader"] in ("lru", "prefix", "arc") and state["resident"] == 4
     assert [len(m) for m in policy.members] == [4, 4, 4]
     assert "a" in policy.members[0].t1  # the chunk used at every step stays, under any leader
+
+
+def test_lru_counts_children_past_sixteen_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head with more children than its 16-bit count holds stays a non-leaf until the
+    last of them leaves."""
+    from kvtier.agent.policy import lru
+
+    monkeypatch.setattr(lru, "KIDS_MAX", 2)
+    policy = lru.LRUPolicy(8)
+    policy.on_links([0, 1, 2, 3, 4], [-1, 0, 0, 0, 0])
+    policy.on_inserts([0, 1, 2, 3, 4])
+    assert policy.children(0) == 4
+    for slot in (1, 2, 3):
+        policy.on_remove(slot)
+    assert policy.children(0) == 1
+    assert policy.evict(lambda _slot: True) == 4
+    assert policy.children(0) == 0
+    assert policy.evict(lambda _slot: True) == 0

@@ -17,8 +17,8 @@ least recent chunk is a leaf, and eviction takes it in O(1); the walk past non-l
 remains is for chunks the order could not place (a hit beyond a request's first miss).
 
 It forgets a chunk the moment it leaves, so it names chunks by slot (`by_slot`) and keeps
-four arrays of slot numbers, 16 bytes a slot, where a linked dict of keys costs over a
-hundred bytes a chunk.
+three arrays of slot numbers and one of child counts (16 bits, the rare count past that in
+a dict), 14 bytes a slot, where a linked dict of keys costs over a hundred bytes a chunk.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from typing import Any, cast
 import numpy as np
 
 from kvtier.agent.policy.base import ChunkId, EvictionPolicy
+
+KIDS_MAX = 0xFFFF
 
 
 class LRUPolicy(EvictionPolicy):
@@ -45,7 +47,10 @@ class LRUPolicy(EvictionPolicy):
         self._prev = array("i", [-1]) * (capacity + 1)
         self._next[capacity] = self._prev[capacity] = capacity
         self._parent = array("i", [-1]) * (capacity + 1)  # the parent's slot, -1: a root
-        self._kids = array("i", [0]) * (capacity + 1)  # resident children
+        # Resident children, up to KIDS_MAX; past it the rest are counted in `_more` (a
+        # system prompt's head may have more children than 16 bits count).
+        self._kids = array("H", [0]) * (capacity + 1)
+        self._more: dict[int, int] = {}
         self._len = 0
         self.forced = 0  # evictions of a chunk with resident children (every leaf pinned)
 
@@ -61,7 +66,7 @@ class LRUPolicy(EvictionPolicy):
         return self._parent[slot]
 
     def children(self, slot: int) -> int:
-        return self._kids[slot]
+        return self._kids[slot] + self._more.get(slot, 0)
 
     # --- what the index tells it ---------------------------------------------------------
 
@@ -79,7 +84,10 @@ class LRUPolicy(EvictionPolicy):
             if parent >= 0 and preceding[parent] < 0:  # the parent left meanwhile
                 parent = parent_of[slot] = -1
             if parent >= 0:
-                kids[parent] += 1
+                if kids[parent] < KIDS_MAX:
+                    kids[parent] += 1
+                else:
+                    self._more[parent] = self._more.get(parent, 0) + 1
                 after = parent  # just before its parent: less recent than it
             else:
                 after = end
@@ -157,9 +165,16 @@ class LRUPolicy(EvictionPolicy):
         self._len -= 1
         parent = self._parent[slot]
         if parent >= 0:
-            self._kids[parent] -= 1
+            more = self._more.get(parent)
+            if more is None:
+                self._kids[parent] -= 1
+            elif more > 1:
+                self._more[parent] = more - 1
+            else:
+                del self._more[parent]
             self._parent[slot] = -1
         if self._kids[slot]:  # its children are roots now (and stores naming it as parent)
             parents = np.frombuffer(self._parent, np.int32)
             parents[parents == slot] = -1
             self._kids[slot] = 0
+            self._more.pop(slot, None)
