@@ -186,3 +186,16 @@ def test_lru_counts_children_past_sixteen_bits(monkeypatch: pytest.MonkeyPatch) 
     assert policy.evict(lambda _slot: True) == 4
     assert policy.children(0) == 0
     assert policy.evict(lambda _slot: True) == 0
+
+
+def test_arc_links_a_chain_stored_at_once() -> None:
+    """Every chunk of one store is linked to the chunk before it, so none of the chain's
+    heads goes while its extension stays."""
+    policy = ARCPolicy(3)
+    policy.on_parents([("a", None), ("b", "a"), ("c", "b")])
+    policy.on_inserts(["a", "b", "c"])
+    assert policy.children_of("a") == 1 and policy.children_of("b") == 1
+    policy.on_hits(["a", "b"])  # a and b move to T2; c, the leaf, stays in T1
+    policy.p = 3.0  # prefer evicting from T2: its least recent chunk is b, not a leaf
+    assert policy.evict(lambda _chunk: True) == "c"
+    assert policy.evict(lambda _chunk: True) == "b"

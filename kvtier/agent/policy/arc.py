@@ -34,6 +34,7 @@ from typing import Any
 from kvtier.agent.policy.base import ChunkId, EvictionPolicy
 
 _List = OrderedDict[ChunkId, None]
+_NONE: frozenset[ChunkId] = frozenset()
 
 
 class ARCPolicy(EvictionPolicy):
@@ -51,6 +52,7 @@ class ARCPolicy(EvictionPolicy):
         self._announced: OrderedDict[ChunkId, ChunkId] = OrderedDict()  # stores in flight
         self._parent: dict[ChunkId, ChunkId] = {}  # resident chunks with a resident parent
         self._kids: dict[ChunkId, int] = {}  # resident children, where any
+        self._batch: set[ChunkId] | frozenset[ChunkId] = _NONE  # the store being committed
         self.forced = 0
 
     def on_parents(self, pairs: Sequence[tuple[ChunkId, ChunkId | None]]) -> None:
@@ -68,8 +70,14 @@ class ARCPolicy(EvictionPolicy):
             self.on_hit(chunk)
 
     def on_inserts(self, chunks: Sequence[ChunkId]) -> None:
-        for chunk in reversed(chunks):
-            self.on_insert(chunk)
+        """Deepest first, so each parent ends more recent than its children; a chunk whose
+        parent comes in the same store is linked to it (it is resident once the store is)."""
+        self._batch = set(chunks)
+        try:
+            for chunk in reversed(chunks):
+                self.on_insert(chunk)
+        finally:
+            self._batch = _NONE
 
     def on_hit(self, chunk: ChunkId) -> None:
         if chunk in self.t1:
@@ -77,6 +85,9 @@ class ARCPolicy(EvictionPolicy):
             self.t2[chunk] = None
         elif chunk in self.t2:
             self.t2.move_to_end(chunk)
+
+    def children_of(self, chunk: ChunkId) -> int:
+        return self._kids.get(chunk, 0)
 
     def _adapt(self, chunk: ChunkId) -> None:
         """Cases II and III: a ghost hit moves the target size of T1 towards its list, by
@@ -92,9 +103,10 @@ class ARCPolicy(EvictionPolicy):
             parent = self._announced.pop(chunk, None)
             if parent is not None:
                 held = self.t1 if parent in self.t1 else self.t2 if parent in self.t2 else None
-                if held is not None:
+                if held is not None or parent in self._batch:
                     self._parent[chunk] = parent
                     self._kids[parent] = self._kids.get(parent, 0) + 1
+                if held is not None:
                     held.move_to_end(parent)
         if chunk in self.b1 or chunk in self.b2:
             if chunk in self._adapted:
