@@ -400,7 +400,12 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     goal.add_argument(
         "--target-hit-rate", type=float, default=None, help="e.g. 0.3 (hit prompt tokens)"
     )
-    goal.add_argument("--memory-budget", default=None, help="host bytes per node, e.g. 256Gi")
+    goal.add_argument(
+        "--memory-budget",
+        "--capacity",
+        default=None,
+        help="host bytes per node, e.g. 256Gi (8G is 8 x 10^9 bytes, as Kubernetes reads it)",
+    )
     parser.add_argument(
         "--block-bytes",
         default=None,
@@ -411,7 +416,9 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--bytes-per-token", default=None, help="a model's KV bytes per token (128Ki: Llama-3.1-8B)"
     )
     parser.add_argument(
-        "--policy", default="prefix", help="the host tier's policy (lru, arc, prefix)"
+        "--policy",
+        default=None,
+        help="the host tier's policy (lru, arc, prefix, adaptive; default: the tier's default)",
     )
     parser.add_argument("--points", type=int, default=12, help="capacities on the curve")
     parser.add_argument(

@@ -1,55 +1,73 @@
 """`kvtier plan`: how much host memory and secondary-tier storage a trace's traffic needs.
 
-The trace (a file, or a node's access log from `kvtier trace`) is replayed through the host
-index at capacities from a few chunks up to the trace's whole working set (every distinct
-chunk, where only first uses miss), with the host tier's policy and with LRU, which is how
-the filesystem and object tiers evict. Hit rates count whole-prompt tokens up to a request's
-first miss over the last half of the requests, as `kvtier replay` does; a capacity the trace
-never fills is as good as an unbounded one, so it gets the unbounded hit rate.
+The trace (a file, or a node's access log from `kvtier trace`) is replayed at capacities
+from a few chunks up to the trace's whole working set (every distinct chunk, where only
+first uses miss) with the policy the host tier would run (`--policy`, by default the
+config's default). Hit rates count whole-prompt tokens up to a request's first miss over
+the last half of the requests, as `kvtier replay` does.
 
 The knee is where the host curve bends (Kneedle: the point furthest above the chord from the
 smallest to the largest capacity, both axes scaled to [0, 1]): below it each GiB of host
-memory buys much, above it little. Recommendations:
+memory buys much, above it little. The host capacity:
 
-- `--target-hit-rate T`: host memory per node up to the knee, or less where that reaches T
-  already; the secondary tier as large as LRU needs to reach T (none when the host alone
-  does). A target above what the trace's reuse allows at all is said to be out of reach.
-- `--memory-budget B`: the host hit rate at B, and whether B is past the knee; the secondary
-  tier sized for 95% of the reachable hit rate.
-- neither: the knee, and the secondary tier for 95% of the reachable hit rate.
+- `--target-hit-rate T`: up to the knee, or less where that reaches T already;
+- `--memory-budget B` (or `--capacity B`): B, and whether it is past the knee;
+- neither: the knee.
+
+The secondary tier is then sized by what it adds behind that host tier: the trace is
+replayed once more through the host tier at that capacity with, behind it, an LRU tier
+(how the filesystem and object tiers evict) at each capacity of the curve. Every chunk the
+host tier stores is written through to it; a request's chunks the host tier misses are
+looked up there, and its hit prefix runs on while a chunk is in either tier (those loads
+touch it, as the chunks written do). The secondary recommended is the smallest reaching T,
+or 95% of the reachable hit rate (every distinct chunk held) where no T is given; none
+where the host tier alone gets there, and how many points it adds is said either way.
+
+At the chosen host capacity the other policies are replayed too, and the output says when
+one beats the policy the plan was made for. Progress goes to stderr whatever the output.
 
 An access log sampled at rate r (whole requests, by their first chunk) stands for traffic
-1/r times larger: capacities are divided by r.
+1/r times larger: capacities are divided by r. Capacities are bytes as Kubernetes reads
+them: `8G` is 8 x 10^9 bytes, shown with its chunk count and in binary units.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvtier.agent.units import format_bytes, parse_bytes
-from kvtier.replay import Trace, TraceError, load_trace, progress_bar, replay, show
+from kvtier.replay import Trace, TraceError, load_trace, progress_bar, replay_direct, show
 
 SECONDARY_POLICY = "lru"  # how the filesystem and object tiers evict
 REACHABLE_SHARE = 0.95
+BEATS_BY = 0.001  # another policy this far ahead at the chosen size is named
+
+
+def default_policy() -> str:
+    """The policy a tier runs when its resource names none."""
+    from kvtier.agent.config import HostTierConfig
+
+    return str(HostTierConfig.model_fields["policy"].default)
 
 
 @dataclass
 class Point:
     blocks: int  # in the trace (sampled)
     capacity_bytes: int  # for the whole traffic: blocks x block bytes / sample rate
-    host: float
-    secondary: float
+    host: float  # the host tier alone at this capacity
+    secondary: float  # the host tier as recommended with a secondary tier of this capacity
 
 
 def _hit_rate(
     trace: Trace, policy: str, blocks: int, progress: Callable[[int], None] | None
 ) -> float:
-    result = replay(trace, policy, blocks, progress=progress)
+    result = replay_direct(trace, policy, blocks, progress=progress)
     return result.hit_tokens / result.prompt_tokens if result.prompt_tokens else 0.0
 
 
@@ -65,7 +83,47 @@ def grid(unique_blocks: int, points: int) -> list[int]:
     return out
 
 
-def curve(
+class Behind:
+    """Secondary tiers (LRU, one per capacity) behind a host tier being replayed: called
+    with each request's nodes and the host's slots for them, before the host changes."""
+
+    def __init__(self, trace: Trace, capacities: Sequence[int], warmup: int) -> None:
+        self.trace, self.capacities, self.warmup = trace, list(capacities), warmup
+        self.tiers: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacities]
+        self.hit_tokens = [0] * len(capacities)
+        self.host_tokens = 0
+        self.prompt_tokens = 0
+
+    def __call__(self, r: int, nodes: Sequence[int], held: Sequence[int]) -> None:
+        start = self.trace.starts[r]
+        tokens = self.trace.tokens[start : start + len(nodes)]
+        host = held.index(-1) if -1 in held else len(held)
+        measured = r >= self.warmup
+        if measured:
+            self.prompt_tokens += sum(tokens)
+            self.host_tokens += sum(tokens[:host])
+        missed = [n for n, s in zip(nodes, held, strict=True) if s < 0]
+        for i, tier in enumerate(self.tiers):
+            reach = host
+            while reach < len(nodes) and (held[reach] >= 0 or nodes[reach] in tier):
+                reach += 1
+            if measured:
+                self.hit_tokens[i] += sum(tokens[:reach])
+            cap = self.capacities[i]
+            for node in missed:  # loaded from it, or computed and written through to it
+                if node in tier:
+                    tier.move_to_end(node)
+                else:
+                    tier[node] = None
+                    if len(tier) > cap:
+                        tier.popitem(last=False)
+
+    def rates(self) -> list[float]:
+        total = max(self.prompt_tokens, 1)
+        return [h / total for h in self.hit_tokens]
+
+
+def host_curve(
     trace: Trace,
     policy: str,
     block_bytes: int,
@@ -76,13 +134,23 @@ def curve(
     out = []
     for blocks in grid(trace.unique_blocks, points):
         host = _hit_rate(trace, policy, blocks, progress)
-        secondary = (
-            host
-            if policy == SECONDARY_POLICY
-            else _hit_rate(trace, SECONDARY_POLICY, blocks, progress)
-        )
-        out.append(Point(blocks, math.ceil(blocks * block_bytes / sample_rate), host, secondary))
+        out.append(Point(blocks, math.ceil(blocks * block_bytes / sample_rate), host, host))
     return out
+
+
+def behind_host(
+    trace: Trace,
+    policy: str,
+    host_blocks: int,
+    points: list[Point],
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Fill each point's `secondary`: the hit rate with the host tier at `host_blocks` and
+    a secondary tier of the point's capacity behind it."""
+    behind = Behind(trace, [p.blocks for p in points], trace.requests // 2)
+    replay_direct(trace, policy, max(1, host_blocks), progress=progress, observe=behind)
+    for p, rate in zip(points, behind.rates(), strict=True):
+        p.secondary = rate
 
 
 def knee(points: Sequence[Point]) -> Point:
@@ -131,43 +199,58 @@ def rate_at(points: Sequence[Point], capacity: int, which: str) -> float:
     return float(getattr(points[-1], which))
 
 
-def recommend(points: Sequence[Point], target: float | None, budget: int | None) -> dict[str, Any]:
+def host_capacity(
+    points: Sequence[Point], target: float | None, budget: int | None
+) -> dict[str, Any]:
+    """The host tier's capacity from its curve alone (the secondary tier's comes after)."""
     bend = knee(points)
-    reachable = max(points[-1].host, points[-1].secondary)  # every distinct chunk held
+    reachable = points[-1].host  # every distinct chunk held
     out: dict[str, Any] = {"knee": _point(bend), "reachable_hit_rate": reachable}
     if target is not None:
         out["target_hit_rate"] = target
-        if target > reachable:
-            out["reachable"] = False
+        out["reachable"] = target <= reachable
+        if not out["reachable"]:
             out["note"] = (
                 f"the trace's reuse allows at most {100 * reachable:.1f}% "
                 "(every distinct chunk cached; first uses always miss)"
             )
-            host = bend.capacity_bytes
-            secondary = points[-1].capacity_bytes
-        else:
-            out["reachable"] = True
-            alone = capacity_for(points, target, "host")
-            host = (
-                alone if alone is not None and alone <= bend.capacity_bytes else bend.capacity_bytes
-            )
-            needed = capacity_for(points, target, "secondary")
-            secondary = 0 if host == alone else (needed or points[-1].capacity_bytes)
+        alone = capacity_for(points, target, "host")
+        host = alone if alone is not None and alone <= bend.capacity_bytes else bend.capacity_bytes
     elif budget is not None:
         out["memory_budget"] = budget
         host = budget
         out["past_knee"] = budget > bend.capacity_bytes
-        secondary = capacity_for(points, REACHABLE_SHARE * reachable, "secondary") or 0
     else:
         host = bend.capacity_bytes
-        secondary = capacity_for(points, REACHABLE_SHARE * reachable, "secondary") or 0
     out["host_capacity_bytes"] = host
     out["host_hit_rate"] = rate_at(points, host, "host")
-    out["secondary_capacity_bytes"] = secondary
-    out["hit_rate_with_secondary"] = max(
-        out["host_hit_rate"], rate_at(points, secondary, "secondary") if secondary else 0.0
-    )
     return out
+
+
+def secondary_capacity(points: Sequence[Point], chosen: dict[str, Any]) -> dict[str, Any]:
+    """The secondary tier, from `points`' hit rates with it behind the chosen host tier."""
+    host_rate = chosen["host_hit_rate"]
+    goal = chosen.get("target_hit_rate")
+    if goal is None or not chosen.get("reachable", True):
+        goal = REACHABLE_SHARE * chosen["reachable_hit_rate"]
+    if host_rate >= goal:
+        secondary = 0
+    else:
+        secondary = capacity_for(points, goal, "secondary") or points[-1].capacity_bytes
+    with_it = rate_at(points, secondary, "secondary") if secondary else host_rate
+    return {
+        "secondary_capacity_bytes": secondary,
+        "hit_rate_with_secondary": max(host_rate, with_it),
+        "secondary_adds": max(0.0, with_it - host_rate),
+        "secondary_adds_at_most": max(0.0, points[-1].secondary - host_rate),
+    }
+
+
+def recommend(points: Sequence[Point], target: float | None, budget: int | None) -> dict[str, Any]:
+    """Host and secondary capacities from `points` whose `secondary` is already measured
+    behind the host capacity `host_capacity` chooses."""
+    chosen = host_capacity(points, target, budget)
+    return {**chosen, **secondary_capacity(points, chosen)}
 
 
 def _point(p: Point) -> dict[str, Any]:
@@ -189,6 +272,10 @@ def _trace_fields(path: Path) -> dict[str, Any]:
     return {}
 
 
+def host_blocks(capacity_bytes: int, block_bytes: int, sample_rate: float) -> int:
+    return max(1, int(capacity_bytes * sample_rate // block_bytes))
+
+
 def plan(
     trace: Trace,
     policy: str,
@@ -198,9 +285,19 @@ def plan(
     target: float | None = None,
     budget: int | None = None,
     progress: Callable[[int], None] | None = None,
+    others: Sequence[str] = (),
 ) -> dict[str, Any]:
-    found = curve(trace, policy, block_bytes, sample_rate, points, progress)
-    return {
+    found = host_curve(trace, policy, block_bytes, sample_rate, points, progress)
+    chosen = host_capacity(found, target, budget)
+    blocks = host_blocks(chosen["host_capacity_bytes"], block_bytes, sample_rate)
+    behind_host(trace, policy, blocks, found, progress)
+    at_host = {policy: _hit_rate(trace, policy, blocks, None)}
+    for other in others:
+        if other != policy:
+            at_host[other] = _hit_rate(trace, other, blocks, progress)
+    best = max(at_host, key=lambda k: at_host[k])
+    chosen["host_hit_rate"] = at_host[policy]  # replayed at the very capacity
+    report = {
         "trace": {
             "requests": trace.requests,
             "unique_blocks": trace.unique_blocks,
@@ -211,8 +308,14 @@ def plan(
         "policy": policy,
         "secondary_policy": SECONDARY_POLICY,
         "curve": [_point(p) for p in found],
-        **recommend(found, target, budget),
+        **chosen,
+        "host_blocks": blocks,
+        "policies_at_host_capacity": at_host,
+        **secondary_capacity(found, chosen),
     }
+    if best != policy and at_host[best] - at_host[policy] > BEATS_BY:
+        report["better_policy"] = best
+    return report
 
 
 def render(report: dict[str, Any]) -> Any:
@@ -225,8 +328,12 @@ def render(report: dict[str, Any]) -> Any:
     )
     table.add_column("capacity", justify="right")
     table.add_column("chunks", justify="right")
-    table.add_column(f"host ({report['policy']})", justify="right")
-    table.add_column(f"secondary ({report['secondary_policy']})", justify="right")
+    table.add_column(f"host alone ({report['policy']})", justify="right")
+    table.add_column(
+        f"secondary ({report['secondary_policy']}) behind "
+        f"{format_bytes(report['host_capacity_bytes'])} of host",
+        justify="right",
+    )
     table.add_column("")
     for p in report["curve"]:
         mark = "knee" if p["blocks"] == report["knee"]["blocks"] else ""
@@ -246,19 +353,33 @@ def summary(report: dict[str, Any]) -> list[str]:
         lines.append(f"target out of reach: {report['note']}")
     host, secondary = report["host_capacity_bytes"], report["secondary_capacity_bytes"]
     knee_at = report["knee"]["capacity"]
+    given = report.get("memory_budget_given")
+    what = f"{given} = {format_bytes(host)}" if given else format_bytes(host)
     lines.append(
-        f"host capacity per node: {format_bytes(host)} "
-        f"({100 * report['host_hit_rate']:.1f}% hit rate; knee at {knee_at})"
+        f"host capacity per node: {what}, {report['host_blocks']:,} chunks "
+        f"({100 * report['host_hit_rate']:.1f}% hit rate with {report['policy']}; "
+        f"knee at {knee_at})"
     )
     if report.get("past_knee"):
         lines.append(f"  the budget is past the knee: host memory beyond {knee_at} buys little")
+    better = report.get("better_policy")
+    if better:
+        rates = report["policies_at_host_capacity"]
+        lines.append(
+            f"  at this capacity {better} beats {report['policy']}: "
+            f"{100 * rates[better]:.1f}% against {100 * rates[report['policy']]:.1f}%"
+        )
     if secondary:
         lines.append(
             f"secondary tier: {format_bytes(secondary)} "
-            f"({100 * report['hit_rate_with_secondary']:.1f}% with the host tier)"
+            f"({100 * report['hit_rate_with_secondary']:.1f}% with the host tier, "
+            f"+{100 * report['secondary_adds']:.1f} points over the host tier alone)"
         )
     else:
-        lines.append("secondary tier: not needed for this target")
+        lines.append(
+            "secondary tier: not needed (it would add at most "
+            f"{100 * report['secondary_adds_at_most']:.1f} points behind the host tier)"
+        )
     return lines
 
 
@@ -269,8 +390,9 @@ def main(args: Any) -> int:
     from kvtier.agent.policy import POLICIES
 
     err = Console(stderr=True)
-    if args.policy not in POLICIES:
-        err.print(f"unknown policy {args.policy}; use {', '.join(POLICIES)}")
+    policy = args.policy or default_policy()
+    if policy not in POLICIES:
+        err.print(f"unknown policy {policy}; use {', '.join(POLICIES)}")
         return 2
     try:
         trace = load_trace(args.trace, args.block_size, args.limit)
@@ -295,23 +417,28 @@ def main(args: Any) -> int:
         if args.target_hit_rate is not None and not 0 < args.target_hit_rate <= 1:
             raise ValueError("--target-hit-rate is a fraction, e.g. 0.3")
         budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+        if budget is not None and host_blocks(budget, block_bytes, rate) * block_bytes > budget:
+            raise ValueError(f"{args.memory_budget} holds no chunk of {format_bytes(block_bytes)}")
     except (OSError, ValueError, TraceError) as exc:
         err.print(str(exc))
         return 2
-    sizes = grid(trace.unique_blocks, args.points)
-    passes = len(sizes) * (1 if args.policy == SECONDARY_POLICY else 2)
-    with progress_bar("plan", err, quiet=args.json) as bar:
+    others = [p for p in POLICIES if p != policy]
+    passes = len(grid(trace.unique_blocks, args.points)) + 1 + len(others)
+    with progress_bar("plan", err) as bar:
         task = bar.add_task("plan", total=trace.requests * passes)
         report = plan(
             trace,
-            args.policy,
+            policy,
             block_bytes,
             rate,
             args.points,
             args.target_hit_rate,
             budget,
             progress=lambda n: bar.advance(task, n),
+            others=others,
         )
+    if budget is not None and not args.memory_budget.rstrip("B").endswith("i"):
+        report["memory_budget_given"] = args.memory_budget
     if args.plot is not None:
         plot_plan(report, args.plot)
     show(report, args.json, render(report), summary(report), 120)
@@ -340,7 +467,7 @@ def plot_plan(report: dict[str, Any], path: Path) -> Path:
         [100 * p["secondary"] for p in report["curve"]],
         marker=".",
         linestyle="--",
-        label=f"secondary tier ({report['secondary_policy']})",
+        label=f"with a secondary tier ({report['secondary_policy']}) behind the host",
     )
     knee_point = report["knee"]
     ax.axvline(knee_point["capacity_bytes"] / gib, color="grey", linestyle=":", label="knee")

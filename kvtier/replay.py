@@ -39,7 +39,7 @@ from kvtier.agent.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.progress import Progress
+    from rich.progress import Progress, TaskID
 
     from kvtier.agent.client import AgentClient
 
@@ -316,12 +316,15 @@ def replay_direct(
     blocks: int,
     warmup_fraction: float = 0.5,
     progress: Callable[[int], None] | None = None,
+    observe: Callable[[int, Sequence[int], Sequence[int]], None] | None = None,
 ) -> Result:
     """`replay` without the index: the same calls reach the same policy in the same order
     (a lookup's hits, the store's parents, an eviction per new chunk with the request's hit
     prefix and the store's own chunks pinned, the commit), the slots and pins kept in
     lists. Several times faster, for sweeps; `tests/test_replay.py` holds it equal to
-    `replay`."""
+    `replay`. `observe(r, nodes, slots)`, where given, sees each request's nodes and their
+    slots at lookup (-1: not held), before the request changes anything (`kvtier plan`
+    runs a secondary tier behind the host tier on it)."""
     chooser = _make(policy, blocks) if isinstance(policy, str) else policy
     by_slot, links = chooser.by_slot, chooser.links_slots
     upcoming = chooser.upcoming if isinstance(chooser, BeladyPolicy) else None
@@ -350,6 +353,8 @@ def replay_direct(
             for i in range(start, end):
                 upcoming[nodes[i]] = (next_use[i], depth[nodes[i]])
         held = [slot_of[n] for n in path]
+        if observe is not None:
+            observe(r, path, held)
         prefix = held.index(-1) if -1 in held else len(held)
         if r >= warmup:
             result.prompt_tokens += sum(tokens[start:end])
@@ -419,6 +424,15 @@ class Budget:
     blocks: int
 
 
+def capacity_label(capacity: str) -> str:
+    """A capacity as given, and in binary units where it was not: `8G` is 8 x 10^9 bytes
+    (Kubernetes' rule), `8G = 7.5 GiB`."""
+    given = capacity.strip()
+    if given.rstrip("B").endswith("i"):
+        return given
+    return f"{given} = {format_bytes(parse_bytes(given))}"
+
+
 def budgets(
     capacities: Sequence[str], block_bytes: int | None, blocks: Sequence[int]
 ) -> list[Budget]:
@@ -426,7 +440,7 @@ def budgets(
     if capacities:
         if not block_bytes:
             raise ValueError("--capacity needs --block-bytes or --bytes-per-token")
-        out += [Budget(c, parse_bytes(c) // block_bytes) for c in capacities]
+        out += [Budget(capacity_label(c), parse_bytes(c) // block_bytes) for c in capacities]
     if not out:
         raise ValueError("give --capacity (with --block-bytes) or --blocks")
     for budget in out:
@@ -449,17 +463,55 @@ def show(report: dict[str, Any], as_json: bool, table: Any, lines: list[str], wi
         out.print(line)
 
 
-def progress_bar(label: str, console: Console, quiet: bool) -> Progress:
-    """The bar replay and plan draw on stderr while they work; none when the output is
-    JSON or stderr is not a terminal."""
+class _ProgressLines:
+    """Progress as a line on `console` every `every` seconds and one at the end, for a
+    stderr that is not a terminal (a log, a pipe): the same calls as rich's Progress."""
+
+    def __init__(self, label: str, console: Console, every: float = 5.0) -> None:
+        self.label, self.console, self.every = label, console, every
+        self.done = self.total = 0
+        self.began = self.last = time.monotonic()
+
+    def __enter__(self) -> _ProgressLines:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.console.print(
+            f"{self.label}: {self.done:,} requests replayed in "
+            f"{time.monotonic() - self.began:.0f} s",
+            highlight=False,
+        )
+
+    def add_task(self, _name: str, total: int) -> TaskID:
+        from rich.progress import TaskID
+
+        self.total += total
+        return TaskID(0)
+
+    def advance(self, _task: TaskID, n: float) -> None:
+        self.done += int(n)
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            share = 100 * self.done / max(self.total, 1)
+            self.console.print(
+                f"{self.label}: {self.done:,} of {self.total:,} requests replayed ({share:.0f}%)",
+                highlight=False,
+            )
+
+
+def progress_bar(label: str, console: Console) -> Progress | _ProgressLines:
+    """How replay and plan show progress on stderr, whatever the output (JSON included): a
+    bar on a terminal, else a line every few seconds."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    if not console.is_terminal:
+        return _ProgressLines(label, console)
     return Progress(
         TextColumn(label),
         BarColumn(),
         MofNCompleteColumn(),
         console=console,
-        disable=quiet or not console.is_terminal,
         transient=True,
     )
 
@@ -670,7 +722,7 @@ def main(args: Any) -> int:
         err.print(str(exc))
         return 2
     total = trace.requests * len(sizes) * len(policies)
-    with progress_bar("replay", err, quiet=args.json) as bar:
+    with progress_bar("replay", err) as bar:
         task = bar.add_task("replay", total=total)
         report = run(trace, sizes, policies, progress=lambda n: bar.advance(task, n))
     if block_bytes:
