@@ -46,6 +46,7 @@ from typing import Any
 import grpc
 
 from kvtier.csi.messages import message
+from tests.container_start import MS_BIND, MS_PRIVATE, MS_SHARED, _mount
 
 Manifest = dict[str, Any]
 REPO = Path(__file__).resolve().parents[1]
@@ -54,26 +55,11 @@ ENTRYPOINT = [str(Path(sys.executable).parent / "kvtier")]  # the Dockerfile's E
 KUBECONFIG_DIR = "/var/run/kvtier-test"
 PLUGIN_PAYLOAD = "/opt/kvtier/plugin/kvtier"
 
-MS_BIND = 4096
-MS_PRIVATE, MS_SHARED = 1 << 18, 1 << 20
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 class MountFailed(Exception):
     """What kubelet reports as a FailedMount event: the pod's container never starts."""
-
-
-def _mount(source: str, target: Path, fstype: str | None, flags: int, data: str = "") -> None:
-    result = _libc.mount(
-        source.encode(),
-        str(target).encode(),
-        fstype.encode() if fstype else None,
-        ctypes.c_ulong(flags),
-        data.encode() if data else None,
-    )
-    if result != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"mount {source} on {target}: {os.strerror(errno)}")
 
 
 def _umount_below(root: Path) -> None:
@@ -259,29 +245,32 @@ class Kubelet:
                     "csi.storage.k8s.io/ephemeral": "true",
                 }
             )
-        socket = self.host(f"/var/lib/kubelet/plugins/{csi['driver']}/csi.sock")
+        try:
+            self._node_call(
+                csi["driver"],
+                "NodePublishVolume",
+                volume_id=f"csi-{pod.uid}-{volume['name']}",
+                target_path=self.node_path_of(target),
+                volume_capability={"mount": {}, "access_mode": {"mode": 1}},
+                volume_context=attributes,
+            )
+        except grpc.RpcError as exc:
+            raise MountFailed(
+                f'MountVolume.SetUp failed for volume "{volume["name"]}" : '
+                f"rpc error: code = {exc.code().name} desc = {exc.details()}"
+            ) from exc
+        return target
+
+    def _node_call(self, driver: str, method: str, **fields: Any) -> None:
+        """One call of the CSI Node service on the driver's socket, as kubelet makes it."""
+        socket = self.host(f"/var/lib/kubelet/plugins/{driver}/csi.sock")
         with grpc.insecure_channel(f"unix://{socket}") as channel:
             call = channel.unary_unary(
-                "/csi.v1.Node/NodePublishVolume",
-                request_serializer=message("NodePublishVolumeRequest").SerializeToString,
-                response_deserializer=message("NodePublishVolumeResponse").FromString,
+                f"/csi.v1.Node/{method}",
+                request_serializer=message(f"{method}Request").SerializeToString,
+                response_deserializer=message(f"{method}Response").FromString,
             )
-            try:
-                call(
-                    message("NodePublishVolumeRequest")(
-                        volume_id=f"csi-{pod.uid}-{volume['name']}",
-                        target_path=self.node_path_of(target),
-                        volume_capability={"mount": {}, "access_mode": {"mode": 1}},
-                        volume_context=attributes,
-                    ),
-                    timeout=30,
-                )
-            except grpc.RpcError as exc:
-                raise MountFailed(
-                    f'MountVolume.SetUp failed for volume "{volume["name"]}" : '
-                    f"rpc error: code = {exc.code().name} desc = {exc.details()}"
-                ) from exc
-        return target
+            call(message(f"{method}Request")(**fields), timeout=30)
 
     @staticmethod
     def _change_policy(pod: Pod) -> str:
@@ -372,19 +361,9 @@ class Kubelet:
         self.pods.remove(pod)
 
     def _unpublish(self, driver: str, target: Path) -> None:
-        socket = self.host(f"/var/lib/kubelet/plugins/{driver}/csi.sock")
-        with grpc.insecure_channel(f"unix://{socket}") as channel:
-            call = channel.unary_unary(
-                "/csi.v1.Node/NodeUnpublishVolume",
-                request_serializer=message("NodeUnpublishVolumeRequest").SerializeToString,
-                response_deserializer=message("NodeUnpublishVolumeResponse").FromString,
-            )
-            call(
-                message("NodeUnpublishVolumeRequest")(
-                    volume_id="x", target_path=self.node_path_of(target)
-                ),
-                timeout=30,
-            )
+        self._node_call(
+            driver, "NodeUnpublishVolume", volume_id="x", target_path=self.node_path_of(target)
+        )
 
     def close(self) -> None:
         for pod in list(self.pods):

@@ -219,12 +219,18 @@ def _warm_check(cluster: Cluster, tier: dict[str, Any], agent: Pod) -> int:
     return cluster.client(tier, "load")["identical"]
 
 
-def test_an_agent_comes_back_warm_after_every_restart(cluster: Cluster) -> None:
+def _agent_with_chunks(cluster: Cluster, capacity: str) -> tuple[dict[str, Any], Pod, int]:
+    """A tier's agent running, and CHUNKS chunks stored through it by an injected pod."""
     port = free_port()
-    tier = host_tier("llama", "160Mi", port)
+    tier = host_tier("llama", capacity, port)
     cluster.apply_tier(tier)
     agent = cluster.agent_pod(tier, port)
     assert cluster.client(tier, "store") == {"stored": CHUNKS, "skipped": 0}
+    return tier, agent, port
+
+
+def test_an_agent_comes_back_warm_after_every_restart(cluster: Cluster) -> None:
+    tier, agent, port = _agent_with_chunks(cluster, "160Mi")
     kept = []
     for _ in range(3):  # the container restarted in place: the same volume, its files kept
         cluster.kubelet.restart(agent)
@@ -236,11 +242,7 @@ def test_an_agent_comes_back_warm_after_every_restart(cluster: Cluster) -> None:
 
 
 def test_an_agent_comes_back_warm_after_resizes_up_and_down(cluster: Cluster) -> None:
-    port = free_port()
-    tier = host_tier("llama", "160Mi", port)
-    cluster.apply_tier(tier)
-    agent = cluster.agent_pod(tier, port)
-    assert cluster.client(tier, "store") == {"stored": CHUNKS, "skipped": 0}
+    tier, agent, port = _agent_with_chunks(cluster, "160Mi")
     kept = []
     for capacity in ("224Mi", "96Mi"):  # resized up, then down below where it started
         tier = host_tier("llama", capacity, port)
@@ -342,11 +344,7 @@ def test_a_pod_of_the_tier_cannot_put_its_own_file_in_the_pools_place(cluster: C
     """The pool's directory is the agent's: a tier member (uid 1000 with the tier's group)
     that copies the pool, changes the copy's bytes and renames it over the pool is refused,
     so every client goes on loading the chunks that were stored, also after a restart."""
-    port = free_port()
-    tier = host_tier("llama", "64Mi", port)
-    cluster.apply_tier(tier)
-    agent = cluster.agent_pod(tier, port)
-    assert cluster.client(tier, "store")["stored"] == CHUNKS
+    tier, agent, _ = _agent_with_chunks(cluster, "64Mi")
     attempt = cluster.client(tier, "replace")
     loaded = cluster.client(tier, "load")
     assert loaded["identical"] == CHUNKS and attempt["replaced"] is False, (attempt, loaded)
