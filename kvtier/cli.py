@@ -303,11 +303,12 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "target",
-        choices=["host", "tiers", "peers", "vllm", "csi"],
+        choices=["host", "tiers", "peers", "vllm", "csi", "eviction"],
         help="host: the client<->agent pool path; tiers: filesystem and S3 tiers; "
         "peers: another node's agent vs raw TCP; "
         "vllm: kvtier vs vLLM's native fs tier inside vLLM's tiering manager; "
-        "csi: the CSI plugin's publish latency and the pool through its volume (root)",
+        "csi: the CSI plugin's publish latency and the pool through its volume (root); "
+        "eviction: the policies on the trace suite (docs/replay.md's tables)",
     )
     parser.add_argument("--quick", action="store_true", help="short run (under a minute)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -58,3 +58,30 @@ def test_every_policy_keeps_prefixes_whole(traces: dict[str, Path]) -> None:
         result = replay_direct(trace, policy, max(8, trace.unique_blocks // 20))
         assert result.hit_blocks > 0
         assert result.hit_blocks == result.hit_tokens // 512, policy
+
+
+def test_bench_eviction_runs_the_suite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvtier bench eviction` sweeps every family (the sweep itself stubbed here: the
+    suite's figures are docs/replay.md's) and prints a table per family."""
+    import json
+
+    from kvtier.bench import eviction
+    from kvtier.cli import main
+
+    swept: list[str] = []
+
+    def sweep(path: Path) -> dict[str, object]:
+        swept.append(path.name)
+        row = {"fraction": 1.0, "blocks": 8, "lru": 0.1, "arc": 0.2, "adaptive": 0.2}
+        row |= {"optimal": 0.3, "simulator_lru": 0.1, "adaptive_gap_closed": 0.5}
+        return {"requests": 600, "unique_blocks": 8, "budgets": [row], "requests_per_s": 1.0}
+
+    monkeypatch.setattr(eviction, "sweep", sweep)
+    out = tmp_path / "eviction.json"
+    assert main(["bench", "eviction", "--quick", "--out", str(out)]) == 0
+    assert sorted(swept) == sorted(f"{f}-2.jsonl" for f in FAMILIES)
+    text = capsys.readouterr().out
+    assert "**tenants**, seed 2" in text and "| 8 | 10.0% | 20.0% | 20.0% | 30.0%" in text
+    assert set(json.loads(out.read_text())["families"]) == {f"{f}/2" for f in FAMILIES}

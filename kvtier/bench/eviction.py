@@ -117,6 +117,30 @@ def markdown(family: str, seed: int, report: dict[str, Any], new: str = "adaptiv
     return "\n".join(lines)
 
 
+def run(quick: bool, requests: int = 3000, seeds: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
+    """`kvtier bench eviction [--quick]`: every family at both seeds (`--quick`: 600
+    requests, seed 2 only), keyed `family/seed`."""
+    if quick:
+        requests, seeds = 600, (2,)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            for family in ["conversation", *FAMILIES]:
+                path = family_trace(family, seed, requests, Path(tmp))
+                out[f"{family}/{seed}"] = sweep(path)
+    return {"families": out, "requests": requests, "seeds": list(seeds)}
+
+
+def render(result: dict[str, Any], console: Any) -> None:
+    for name, report in result["families"].items():
+        family, seed = name.split("/")
+        console.print(markdown(family, int(seed), report), highlight=False)
+        console.print(
+            f"\n{report['requests_per_s']:,.0f} requests/s replayed (wall clock)\n",
+            highlight=False,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtier.bench.eviction")
     parser.add_argument("--requests", type=int, default=4000)

@@ -207,6 +207,12 @@ def render_csi(result: dict[str, Any], console: Console) -> None:
     )
 
 
+def render_eviction(result: dict[str, Any], console: Console) -> None:
+    from kvtier.bench.eviction import render
+
+    render(result, console)
+
+
 Render = Callable[[dict[str, Any], Console], None]
 # Each benchmark's module (imported only when it runs: some need root, vLLM or NIXL) and the
 # table it prints.
@@ -215,6 +221,7 @@ BENCHMARKS: dict[str, tuple[str, Render]] = {
     "tiers": ("kvtier.bench.tiers", render_tiers),
     "peers": ("kvtier.bench.peers", render_peers),
     "csi": ("kvtier.bench.csi", render_csi),
+    "eviction": ("kvtier.bench.eviction", render_eviction),
 }
 
 
