@@ -9,11 +9,12 @@ hashes below `rate` (a scaled-down copy of the traffic, as SHARDS samples miss-r
 curves; `rate` is 1 for pools of up to 4,096 chunks and 4,096 chunks' worth above; the key's
 hash is scrambled first, so the slice is a random one whatever the ids). A shadow counts the
 hits it would have had, a request's hits up to its first sampled miss (a request without
-hits starts afresh at its store from the root), with a decay of about four shadow pools'
+hits starts afresh at its store from the root), with a decay of about twelve shadow pools'
 worth of accesses; the leader changes when another shadow is ahead by 0.3%. The shadows'
 chains are the sampled chunks of a request in order. Tuned on seed 1 of the trace suite
 (`python -m kvtier.bench.eviction`): a margin of 2% kept the first leader where the others
-were ahead by less; 1,024-chunk shadows were too noisy above 1,024 blocks.
+were ahead by less; 1,024-chunk shadows were too noisy above 1,024 blocks; a decay over
+four pools followed noise, over 32 too slowly.
 
 What it costs: every candidate's state for every resident chunk, plus the shadows (a few
 thousand entries whatever the pool), and each access reaches every candidate. Its state
@@ -31,7 +32,7 @@ from kvtier.agent.policy.prefix import PrefixPolicy
 
 SHADOW_CHUNKS = 4096
 MARGIN = 1.003
-DECAY_POOLS = 4
+DECAY_POOLS = 12
 
 
 class KeyedLRUPolicy(ARCPolicy):
