@@ -24,7 +24,7 @@ from tests.apiserver_rules import admit, load_crd
 from tests.manifests import example_tier
 from tests.operator_fixtures import SETTINGS, by_kind, tier
 from tests.pod_security import restricted
-from tests.test_report import STATS
+from tests.stats_fixtures import STATS
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "llama-events-children.yaml"
 PEERS = {"name": "peers", "peer": {"port": 5557}}
