@@ -147,7 +147,7 @@ def test_publish_gives_the_pod_its_tiers_tmpfs_sized_and_grouped_from_the_tier(
     assert stat.f_blocks * stat.f_frsize == tier_volume_bytes(32 << 20, 2 << 20)
     gid = tier_group("team-a", "llama")
     layout = {
-        target: (0, 0o2770),
+        target: (0, 0o2750),
         target / "pool": (AGENT, 0o2750),
         target / "run": (AGENT, 0o3770),
     }
@@ -334,3 +334,18 @@ def test_an_agent_using_the_whole_capacity_fits_its_volume(node: Node) -> None:
         rows = [np.full(64 << 10, i, np.uint8) for i in range(200)]
         result = client.store("ns", [b"key-%d" % i for i in range(200)], rows)
         assert result.stored == 200
+
+
+def test_a_sweep_brings_a_volume_of_an_earlier_layout_to_this_one(node: Node) -> None:
+    """A volume an earlier plugin laid out (pool/ root's and group-writable) is laid out
+    again at the next sweep, not only at the next pod's publish: clients refuse a pool in a
+    directory the group may change."""
+    target = node.publish("pod-1", "team-a", "llama")
+    for path in (target, target / "pool", target / "run"):
+        os.chown(path, 0, -1)
+        path.chmod(0o2770)
+    node.plugin.sweep()
+    assert (target / "pool").stat().st_uid == AGENT
+    assert (target / "pool").stat().st_mode & 0o7777 == 0o2750
+    assert (target / "run").stat().st_mode & 0o7777 == 0o3770
+    assert target.stat().st_mode & 0o7777 == 0o2750

@@ -36,7 +36,7 @@ def tier_agent() -> Iterator[AgentConfig]:
     base = Path(tempfile.mkdtemp(prefix="kv-id-", dir="/dev/shm"))
     base.chmod(0o755)
     volume = base / "vol"
-    for path, mode in ((volume, 0o2770), (volume / "pool", 0o2750), (volume / "run", 0o3770)):
+    for path, mode in ((volume, 0o2750), (volume / "pool", 0o2750), (volume / "run", 0o3770)):
         path.mkdir()
         os.chown(path, 0, GROUP)  # the agent here runs as root: the owner of pool/ and run/
         path.chmod(mode)

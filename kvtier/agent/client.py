@@ -137,6 +137,17 @@ def _as_bytes(row: Any) -> Bytes:
     return array.reshape(-1).view(np.uint8)
 
 
+def _agents_own(mapped: PoolMap, group_writes: bool) -> PoolMap:
+    """`mapped`, checked before anyone uses it: only the agent's own files are, and a file
+    another pod of the tier put in their place (or a directory it may change) gives misses,
+    never its bytes."""
+    why = foreign(mapped.fd, mapped.path, group_writes)
+    if why is not None:
+        mapped.close()
+        raise AgentUnavailable(f"not the agent's pool: {why}")
+    return mapped
+
+
 class AgentClient:
     def __init__(self, endpoint: str, timeout: float = 5.0, client_id: str | None = None) -> None:
         if not endpoint.startswith("ipc://"):
@@ -197,23 +208,15 @@ class AgentClient:
                 if pool is not None:
                     self.pool = None
                     pool.close()
-                pool = self.pool = PoolMap.open(path, writable=False)
+                pool = self.pool = _agents_own(PoolMap.open(path, writable=False), False)
             staged = staging_path(path)
             staging = self.staging
             if staging is None or staging.inode != staged.stat().st_ino or self._boot != reply.boot:
                 if staging is not None:
                     self.staging = None
                     staging.close()
-                self.staging = PoolMap.open(staged)
+                self.staging = _agents_own(PoolMap.open(staged), True)
                 self._boot = reply.boot
-            # Only the agent's own files are used: a file another pod of the tier put in
-            # their place (or a directory it may change) gives misses, never its bytes.
-            assert self.staging is not None
-            why = foreign(pool.fd, path, group_writes=False) or foreign(
-                self.staging.fd, staged, group_writes=True
-            )
-            if why is not None:
-                raise AgentUnavailable(f"not the agent's pool: {why}")
         except (AgentUnavailable, _NotRegistered):
             raise
         except (OSError, ValueError) as exc:

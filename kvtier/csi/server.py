@@ -158,7 +158,7 @@ class NodePlugin:
 
     def sweep(self) -> list[str]:
         """Frees the directories of deleted tiers once no pod mounts them, and brings the
-        others to their tiers' sizes; returns the names of those freed."""
+        others to their tiers' sizes and this layout; returns the names of those freed."""
         names = self.tiers.names()
         freed = self.volumes.sweep({tier_dir(ns, name) for ns, name in names})
         mounted = [
@@ -172,7 +172,7 @@ class NodePlugin:
                 live.append(tier_volume(self.tiers, {POD_NAMESPACE: ns, "tier": name}))
             except Refused:
                 continue  # deleted meanwhile: the next sweep frees it
-        self.volumes.resize_live(live)
+        self.volumes.refresh_live(live)
         return freed
 
 
@@ -217,14 +217,17 @@ def serve(plugin: NodePlugin, endpoint: str) -> grpc.Server:
 
 
 def run(plugin: NodePlugin, endpoint: str, sweep_seconds: float, stop: threading.Event) -> None:
-    """Serves until `stop` is set, freeing deleted tiers' directories every `sweep_seconds`."""
+    """Serves until `stop` is set, sweeping tier volumes at start (what an earlier version
+    laid out is brought to this layout) and then every `sweep_seconds`."""
     server = serve(plugin, endpoint)
     log.info("%s serving on %s for node %s", DRIVER, endpoint, plugin.node_id)
     try:
-        while not stop.wait(sweep_seconds):
+        while True:
             try:
                 plugin.sweep()
             except Exception as exc:  # the API server briefly unreachable: next time
                 log.warning("sweeping tier volumes: %s", exc)
+            if stop.wait(sweep_seconds):
+                break
     finally:
         server.stop(grace=5).wait()

@@ -34,7 +34,10 @@ from kvtier.csi.mounts import (
 )
 
 log = logging.getLogger("kvtier.csi")
-DIR_MODE = 0o2770  # setgid: what is created inside keeps the tier's group
+# The volume's root: setgid (what is made inside keeps the tier's group), and not writable
+# by the group, or a member could rename pool/ or run/ away and put a directory of its own
+# there; only the plugin makes the two.
+DIR_MODE = 0o2750
 AGENT_UID = 65532  # the agent's runAsUser (the operator's agentUid, the image's USER)
 # The agent's poolDir and runDir inside the volume, both the agent's: the tier's group opens
 # files in pool/ but cannot create, rename or remove any (so it cannot put a file of its own
@@ -78,12 +81,19 @@ class Volumes:
             )
         elif f"size={volume.size_bytes // 1024}k" not in current.options:
             self._resize(path, volume)
+        self._lay_out(path, volume)
+        return path
+
+    def _lay_out(self, path: Path, volume: TierVolume) -> None:
+        """Owners and modes of the volume's root, pool/ and run/, set again on every publish
+        and sweep: a volume an earlier version laid out is brought to this layout without
+        waiting for another pod."""
+        os.chmod(path, DIR_MODE)
         for sub, mode in SUBDIRS.items():
             sub_path = path / sub
             sub_path.mkdir(exist_ok=True)
             os.chown(sub_path, self.agent_uid, volume.gid)
             os.chmod(sub_path, mode)
-        return path
 
     def _resize(self, path: Path, volume: TierVolume) -> None:
         """A remount to the new size keeps the files. The kernel refuses to shrink a tmpfs
@@ -103,14 +113,17 @@ class Volumes:
             return
         log.info("tier volume %s resized to %d bytes", volume.name, volume.size_bytes)
 
-    def resize_live(self, volumes: list[TierVolume]) -> None:
+    def refresh_live(self, volumes: list[TierVolume]) -> None:
         """Bring mounted tier volumes to their tiers' sizes (a shrink the kernel refused
-        earlier goes through once the agent has shrunk its pool)."""
+        earlier goes through once the agent has shrunk its pool) and to this layout."""
         for volume in volumes:
             path = self.tier_path(volume)
             current = mount_at(path)
-            if current is not None and f"size={volume.size_bytes // 1024}k" not in current.options:
+            if current is None:
+                continue
+            if f"size={volume.size_bytes // 1024}k" not in current.options:
                 self._resize(path, volume)
+            self._lay_out(path, volume)
 
     def check_target(self, target: Path) -> Path:
         """Only paths under kubelet's pods directory are published to or unpublished."""
