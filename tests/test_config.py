@@ -144,3 +144,13 @@ def test_access_log_size_and_sampling_are_checked(scratch: Path) -> None:
     assert (config.access_log.max_keys, config.access_log.sample_rate) == (4096, 0.25)
     message = refuse({**data, "accessLog": {"sampleRate": 0}})
     assert "accessLog.sampleRate" in message
+
+
+def test_an_event_topic_naming_another_field_is_refused_with_the_fix() -> None:
+    """The topic is filled in with str.format: a field other than {node} and {namespace}
+    would fail every batch the agent publishes."""
+    from kvtier.agent.config import EventStreamConfig
+
+    assert EventStreamConfig(topic="kv@{node}@{namespace}").topic
+    with pytest.raises(ValueError, match=r"events\.topic .*fix: use only those two"):
+        EventStreamConfig(topic="kv@{node}@{model}")

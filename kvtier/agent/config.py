@@ -303,6 +303,19 @@ class EventStreamConfig(_Model):
     )
     interval_seconds: float = Field(default=0.05, gt=0, le=10)
 
+    @model_validator(mode="after")
+    def _topic(self) -> EventStreamConfig:
+        """The topic is filled in with str.format: another field in braces would fail
+        every batch, so it is refused here."""
+        try:
+            self.topic.format(node="n", namespace="ns")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"events.topic {self.topic!r} names a field other than {{node}} and "
+                f"{{namespace}} ({exc}); fix: use only those two, and {{{{ }}}} for a brace"
+            ) from exc
+        return self
+
 
 class AgentConfig(_Model):
     """Everything one agent process needs; one agent serves one KVCacheTier on one node."""

@@ -29,8 +29,6 @@ only subscribers dialling with a trusted key pair (the same Secret), as peers ar
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from collections import deque
@@ -44,7 +42,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from kvtier.agent.config import EventStreamConfig
 from kvtier.agent.events import NodeEvent, NodeEvents, Residency
 from kvtier.agent.stats import EventStreamStats
-from kvtier.agent.tiers.peer_wire import TrustedKeys, load_keys
+from kvtier.agent.tiers.peer_wire import TrustedKeys, bind_on_pod_address, load_keys
 
 log = logging.getLogger("kvtier.agent.events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -172,8 +170,8 @@ class EventStream:
             self.curve_key = keys.public.decode()
         for sock in (self._pub, self._replay):
             sock.setsockopt(zmq.LINGER, 0)
-        self.endpoint = self._bind(self._pub, config.bind)
-        self.replay_endpoint = self._bind(self._replay, config.replay_bind)
+        self.endpoint = bind_on_pod_address(self._pub, config.bind)
+        self.replay_endpoint = bind_on_pod_address(self._replay, config.replay_bind)
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = time.time_ns() // 1000 - 1  # the last sequence number sent
         self._after = 0  # the node's events published up to
@@ -181,22 +179,12 @@ class EventStream:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvtier-events", daemon=True)
 
-    @staticmethod
-    def _bind(sock: zmq.Socket[bytes], address: str) -> str:
-        """Bind (on the pod's address when POD_IP names it); the address subscribers dial."""
-        pod_ip = os.environ.get("POD_IP", "")
-        if pod_ip and ":" not in pod_ip:
-            address = address.replace("0.0.0.0", pod_ip)
-        sock.bind(address)
-        bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        return bound.replace("0.0.0.0", pod_ip or socket.gethostname())
-
     def stats(self) -> EventStreamStats:
         """The addresses a router dials, for the node's report (KVCacheNode status.events)."""
         return EventStreamStats(
             endpoint=self.endpoint,
             replay_endpoint=self.replay_endpoint,
-            topic=self.config.topic.replace("{node}", self.events.owner),
+            topic=self.config.topic.format(node=self.events.owner, namespace="{namespace}"),
             curve_key=self.curve_key,
         )
 

@@ -39,6 +39,7 @@ from kvtier.agent.tiers.peer_wire import (
     TrustedKeys,
     WhoHas,
     Withdraw,
+    bind_on_pod_address,
     context,
     decode,
     encode,
@@ -83,17 +84,7 @@ class PeerServer:
             self._sock.curve_server = True
             self._sock.curve_publickey = self.keys.public
             self._sock.curve_secretkey = self.keys.secret
-        # On all addresses only where the pod's own is unknown: with POD_IP (the operator
-        # sets it) the peer port listens on the pod network alone.
-        pod_ip = os.environ.get("POD_IP", "")
-        listen = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
-        if ":" in pod_ip:
-            self._sock.ipv6 = True
-        self._sock.bind(config.bind.replace("0.0.0.0", listen) if listen else config.bind)
-        bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if "0.0.0.0" in bound:  # listening everywhere: advertise the pod's (or host's) address
-            bound = bound.replace("0.0.0.0", os.environ.get("POD_IP") or socket.gethostname())
-        self.endpoint = config.advertise or bound
+        self.endpoint = config.advertise or bind_on_pod_address(self._sock, config.bind)
         # Slots lent out: NIXL loans until returned (or expired), ZMQ sends until sent.
         self._loans: dict[int, tuple[float, int, Any]] = {}  # lease -> (deadline, slots, reg)
         self._sending: list[tuple[zmq.MessageTracker, int, int]] = []  # (tracker, lease, slots)

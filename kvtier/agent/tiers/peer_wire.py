@@ -6,6 +6,7 @@ complete the handshake."""
 from __future__ import annotations
 
 import os
+import socket
 import struct
 from dataclasses import dataclass
 from enum import StrEnum
@@ -157,3 +158,16 @@ def context() -> zmq.Context[zmq.Socket[bytes]]:
     if _context is None:
         _context = zmq.Context(io_threads=max(1, min(4, os.cpu_count() or 1)))
     return _context
+
+
+def bind_on_pod_address(sock: zmq.Socket[bytes], address: str) -> str:
+    """Bind `address` (`tcp://0.0.0.0:PORT`) on the pod's own address where POD_IP names it
+    (the operator sets it: the port then listens on the pod network alone), an IPv6 one in
+    brackets with the socket switched to IPv6; returns the endpoint to advertise."""
+    pod_ip = os.environ.get("POD_IP", "")
+    listen = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    if ":" in pod_ip:
+        sock.ipv6 = True
+    sock.bind(address.replace("0.0.0.0", listen) if listen else address)
+    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return bound.replace("0.0.0.0", listen or socket.gethostname())
