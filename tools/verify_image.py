@@ -66,14 +66,21 @@ def free_port() -> int:
 
 
 def tier_dir() -> Path:
-    """A directory as the CSI plugin makes it: root and a group, setgid, group-only."""
+    """A directory as the CSI plugin makes it (kvtier/csi/volumes.py): the root root's,
+    pool/ and run/ the agent's, all of the tier's group, setgid, group-only."""
+    from kvtier.csi.volumes import DIR_MODE, SUBDIRS
+
     base = Path(tempfile.mkdtemp(prefix="kvimg-"))
     base.chmod(0o755)
-    for sub in ("", "pool", "run"):
-        path = base / "vol" / sub
-        path.mkdir(exist_ok=True)
-        os.chown(path, 0, UID)
-        path.chmod(0o2770)
+    volume = base / "vol"
+    volume.mkdir()
+    os.chown(volume, 0, UID)
+    volume.chmod(DIR_MODE)
+    for sub, mode in SUBDIRS.items():
+        path = volume / sub
+        path.mkdir()
+        os.chown(path, UID, UID)  # the agent runs as UID, the tier's group is UID here
+        path.chmod(mode)
     return base
 
 
