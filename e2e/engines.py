@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.agent.config import AgentConfig
-from kvtier.agent.transfer_config import build_kv_transfer_config
+from kvtier.api.config import AgentConfig
+from kvtier.api.transfer_config import build_kv_transfer_config
 from kvtier.bench import netns
 
 REPO = Path(__file__).resolve().parents[1]

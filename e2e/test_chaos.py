@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from kvtier.agent.client import AgentClient, AgentUnavailable, Grant
-from kvtier.agent.config import AgentConfig, parse_config
+from kvtier.api.config import AgentConfig, parse_config
 from kvtier.local_agent import AgentProcess
 from tests.agent_fuzz import random_hostile
 from tests.conftest import AGENT_PYTHON, free_port, wait_port

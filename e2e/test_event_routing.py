@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from e2e.engines import HITS, REPO, kv_config, run_engines
-from kvtier.agent.config import AgentConfig
+from kvtier.api.config import AgentConfig
 from kvtier.demo_engines.tiny_model import build
 from kvtier.local_agent import AgentProcess
 from kvtier.polling import wait_for

@@ -20,7 +20,7 @@ import zmq
 
 from e2e.engines import BLOCKS_PER_PROMPT, HITS, PROMPTS, REPO, kv_config, run_engines
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig
+from kvtier.api.config import AgentConfig
 from kvtier.demo_engines.tiny_model import build
 from kvtier.local_agent import AgentProcess
 from tests import netns

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from e2e.engines import HITS, kv_config, run_engines
-from kvtier.agent.config import AgentConfig
+from kvtier.api.config import AgentConfig
 from kvtier.demo_engines.tiny_model import ARCHITECTURES, build
 from kvtier.local_agent import AgentProcess
 

@@ -35,9 +35,9 @@ def _peer_keys(args: argparse.Namespace) -> int:
 
 
 def _vllm_config(args: argparse.Namespace) -> int:
-    from kvtier.agent.config import ConfigError, load_config
-    from kvtier.agent.transfer_config import build_kv_transfer_config, kv_transfer_config_arg
-    from kvtier.agent.units import parse_bytes
+    from kvtier.api.config import ConfigError, load_config
+    from kvtier.api.transfer_config import build_kv_transfer_config, kv_transfer_config_arg
+    from kvtier.api.units import parse_bytes
 
     try:
         config = load_config(args.config)

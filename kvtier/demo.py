@@ -27,9 +27,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig
-from kvtier.agent.stats import AgentStats
-from kvtier.agent.units import format_bytes
+from kvtier.api.config import AgentConfig
+from kvtier.api.stats import AgentStats
+from kvtier.api.units import format_bytes
 from kvtier.local_agent import AgentProcess, scratch_config
 from kvtier.workload import WorkloadShape, chunk_keys, conversation_turns, row_for
 

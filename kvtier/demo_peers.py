@@ -17,7 +17,7 @@ from rich.table import Table
 
 from kvtier.agent.client import AgentClient
 from kvtier.agent.pool import Bytes
-from kvtier.agent.units import format_bytes
+from kvtier.api.units import format_bytes
 from kvtier.demo import NAMESPACE, ROW_BYTES
 from kvtier.local_agent import AgentProcess, scratch_peer_config
 from kvtier.polling import wait_for

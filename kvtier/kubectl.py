@@ -21,8 +21,8 @@ from lightkube.resources.core_v1 import Pod
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.agent.node_status import NodeStatus, read_node_status
-from kvtier.agent.units import format_bytes
+from kvtier.api.node_status import NodeStatus, read_node_status
+from kvtier.api.units import format_bytes
 from kvtier.kube import ApiError, Client, KVCacheNode, KVCacheTier, as_dict, not_found
 
 STALE_SECONDS = 60.0

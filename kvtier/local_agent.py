@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import Any
 
 from kvtier.agent.client import AgentClient, AgentUnavailable
-from kvtier.agent.config import AgentConfig, parse_config
+from kvtier.api.config import AgentConfig, parse_config
 
 
 class AgentProcess:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.agent.units import format_bytes, parse_bytes
+from kvtier.api.units import format_bytes, parse_bytes
 from kvtier.replay import Trace, TraceError, load_trace, progress_bar, replay_direct, show
 
 SECONDARY_POLICY = "lru"  # how the filesystem and object tiers evict
@@ -51,7 +51,7 @@ BEATS_BY = 0.001  # another policy this far ahead at the chosen size is named
 
 def default_policy() -> str:
     """The policy a tier runs when its resource names none."""
-    from kvtier.agent.config import HostTierConfig
+    from kvtier.api.config import HostTierConfig
 
     return str(HostTierConfig.model_fields["policy"].default)
 

@@ -35,7 +35,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 from kvtier.agent.index import HostIndex
 from kvtier.agent.policy import POLICIES, ChunkId, EvictionPolicy, make_policy
-from kvtier.agent.units import format_bytes, parse_bytes
+from kvtier.api.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from rich.console import Console

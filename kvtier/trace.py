@@ -85,7 +85,7 @@ def main(args: Any) -> int:
 
     endpoint = args.agent
     if endpoint is None:
-        from kvtier.agent.config import ConfigError, load_config
+        from kvtier.api.config import ConfigError, load_config
 
         try:
             endpoint = load_config(args.config).endpoint

@@ -15,7 +15,7 @@ from kvtier import polling
 from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.client import AgentClient
 from kvtier.agent.pool import PoolMap
-from kvtier.agent.stats import TierStats
+from kvtier.api.stats import TierStats
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
 

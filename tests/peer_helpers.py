@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig
-from kvtier.agent.stats import TierStats
+from kvtier.api.config import AgentConfig
+from kvtier.api.stats import TierStats
 from tests.agent_helpers import store, wait_for
 from tests.helpers import NS, key
 

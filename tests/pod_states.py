@@ -18,7 +18,7 @@ SCHEDULER = (
     "1 No preemption victims found for incoming pod."
 )
 S3_ERROR = (
-    "kvtier.agent.config.ConfigError: tiers[0] (s3): cannot reach bucket kv-cache: "
+    "kvtier.api.config.ConfigError: tiers[0] (s3): cannot reach bucket kv-cache: "
     "InvalidAccessKeyId: The AWS Access Key Id you provided does not exist in our records."
 )
 

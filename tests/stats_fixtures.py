@@ -3,7 +3,7 @@ them (the KVCacheNode status, the event stream's address in it)."""
 
 from __future__ import annotations
 
-from kvtier.agent.stats import (
+from kvtier.api.stats import (
     AgentStats,
     HostStats,
     PolicyStats,

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
-from kvtier.agent.config import AgentConfig
 from kvtier.agent.pool import PoolMap
-from kvtier.agent.stats import StoreSkips
+from kvtier.api.config import AgentConfig
+from kvtier.api.stats import StoreSkips
 from kvtier.local_agent import AgentProcess
 from tests.agent_helpers import find_slot, scrape
 from tests.conftest import ROW

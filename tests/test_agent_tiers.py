@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig
+from kvtier.api.config import AgentConfig
 from kvtier.local_agent import AgentProcess
 from tests.agent_helpers import load_exact, s3_tier, scrape, store, tier_stats, wait_for
 from tests.conftest import free_port

@@ -28,7 +28,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvtier"
 HARNESS = ("tests", "e2e", "tools")
 # Of kvtier, the agent imports only itself, the shared Kubernetes client and the version.
-AGENT_MAY_IMPORT = ("kvtier.agent", "kvtier.kube", "kvtier.__version__")
+AGENT_MAY_IMPORT = (
+    "kvtier.agent",
+    "kvtier.api",
+    "kvtier.shm",
+    "kvtier.client",
+    "kvtier.vllm",
+    "kvtier.kube",
+    "kvtier.__version__",
+)
 OPERATOR_MAY_NOT_IMPORT = (
     "kvtier.cli",
     "kvtier.kubectl",

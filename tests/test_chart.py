@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvtier.agent.config import parse_config
+from kvtier.api.config import parse_config
 from tests.chart_render import CHART, HELM, REPO, helm, render
 
 FOREIGN = {"PodMonitor", "Certificate", "Issuer"}

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
-from kvtier.agent.config import ConfigError, load_config, parse_config
 from kvtier.agent.runtime_checks import check_runtime
 from kvtier.agent.tiers import nixl_path
-from kvtier.agent.units import parse_bytes
+from kvtier.api.config import ConfigError, load_config, parse_config
+from kvtier.api.units import parse_bytes
 from tests.conftest import config_data
 
 
@@ -149,7 +149,7 @@ def test_access_log_size_and_sampling_are_checked(scratch: Path) -> None:
 def test_an_event_topic_naming_another_field_is_refused_with_the_fix() -> None:
     """The topic is filled in with str.format: a field other than {node} and {namespace}
     would fail every batch the agent publishes."""
-    from kvtier.agent.config import EventStreamConfig
+    from kvtier.api.config import EventStreamConfig
 
     assert EventStreamConfig(topic="kv@{node}@{namespace}").topic
     with pytest.raises(ValueError, match=r"events\.topic .*fix: use only those two"):

@@ -9,7 +9,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from kvtier.agent.pool_layout import DEFAULT_CHUNK_SIZE
+from kvtier.api.pool_layout import DEFAULT_CHUNK_SIZE
 from tests.apiserver_rules import admit, load_crd, schema_of
 from tests.manifests import example_tier
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable, LeaseLost
-from kvtier.agent.config import AgentConfig
 from kvtier.agent.shm_index import digests
+from kvtier.api.config import AgentConfig
 from kvtier.local_agent import AgentProcess
 from tests.agent_helpers import wait_for
 from tests.conftest import ROW

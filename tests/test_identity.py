@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvtier.agent.client import AgentClient, AgentUnavailable
-from kvtier.agent.config import AgentConfig
+from kvtier.api.config import AgentConfig
 from kvtier.local_agent import AgentProcess, scratch_config
 
 pytestmark = pytest.mark.skipif(

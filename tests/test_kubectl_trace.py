@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.agent.config import AgentConfig
+from kvtier.api.config import AgentConfig
 from kvtier.local_agent import AgentProcess
 from kvtier.replay import load_trace, replay_agent
 from kvtier.tracegen import multi_turn

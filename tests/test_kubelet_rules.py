@@ -36,8 +36,8 @@ import yaml
 import zmq
 
 from kvtier import polling
-from kvtier.agent.config import AgentConfig
-from kvtier.agent.units import parse_bytes
+from kvtier.api.config import AgentConfig
+from kvtier.api.units import parse_bytes
 from kvtier.csi.mounts import mount_at
 from kvtier.operator.builders import build_agent_config, build_children
 from kvtier.operator.names import tier_dir, tier_group

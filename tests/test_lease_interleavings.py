@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvtier.agent.client import AgentClient, AgentUnavailable, Grant
-from kvtier.agent.config import AgentConfig
+from kvtier.api.config import AgentConfig
 from kvtier.local_agent import AgentProcess
 from tests.conftest import ROW
 from tests.helpers import NS, key, row

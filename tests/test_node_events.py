@@ -15,7 +15,6 @@ import pytest
 from kvtier.agent import protocol as p
 from kvtier.agent.chunk import ChunkHeader, checksum
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig, FilesystemTierConfig, ObjectStoreTierConfig
 from kvtier.agent.events import (
     ALL_NAMESPACES,
     POOL,
@@ -27,6 +26,7 @@ from kvtier.agent.tiers import CorruptChunk
 from kvtier.agent.tiers.base import namespace_dir
 from kvtier.agent.tiers.filesystem import FilesystemTier
 from kvtier.agent.tiers.objectstore import ObjectStoreTier
+from kvtier.api.config import AgentConfig, FilesystemTierConfig, ObjectStoreTierConfig
 from kvtier.local_agent import AgentProcess
 from tests.agent_helpers import load_exact, store, wait_for
 from tests.conftest import ROW

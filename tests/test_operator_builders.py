@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvtier.agent.config import ConfigError, parse_config
+from kvtier.api.config import ConfigError, parse_config
 from kvtier.operator.builders import build_agent_config, build_children
 from kvtier.operator.names import tier_group
 from kvtier.operator.status import aggregate, merge_conditions, transitions

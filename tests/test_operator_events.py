@@ -16,9 +16,9 @@ import pytest
 import yaml
 from msgspec.structs import replace
 
-from kvtier.agent.config import ConfigError, parse_config
-from kvtier.agent.node_status import build_report, read_node_status
-from kvtier.agent.stats import EventStreamStats
+from kvtier.api.config import ConfigError, parse_config
+from kvtier.api.node_status import build_report, read_node_status
+from kvtier.api.stats import EventStreamStats
 from kvtier.operator.builders import build_children
 from tests.apiserver_rules import admit, load_crd
 from tests.manifests import example_tier

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig
+from kvtier.api.config import AgentConfig
 from kvtier.local_agent import AgentProcess
 from tests.agent_helpers import load_exact, wait_for
 from tests.conftest import ROW

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig
 from kvtier.agent.tiers.nixl_path import available
 from kvtier.agent.tiers.peer_wire import write_keys
+from kvtier.api.config import AgentConfig
 from kvtier.bench.peers import UCX_BETWEEN_HOSTS
 from kvtier.local_agent import AgentProcess
 from tests import netns

@@ -157,7 +157,7 @@ def test_a_spec_that_cannot_be_rendered_creates_no_secret(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The config error is raised before anything is written, the key Secret included."""
-    from kvtier.agent.config import ConfigError
+    from kvtier.api.config import ConfigError
     from kvtier.operator.reconcile import ensure_children
 
     async def reconcile(tier: dict[str, Any]) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ from typing import Any
 import jsonpatch
 import pytest
 
-from kvtier.agent.config import ConfigError
+from kvtier.api.config import ConfigError
 from kvtier.operator.builders import build_children
 from kvtier.operator.webhook import mutate_pod
 from tests.operator_fixtures import POD, SETTINGS, by_kind, tier

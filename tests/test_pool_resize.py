@@ -12,8 +12,8 @@ import numpy as np
 
 from kvtier.agent.chunk import ChunkHeader, SlotState, checksum
 from kvtier.agent.pool import POOL_MODE, PoolMap, create, trim
-from kvtier.agent.pool_layout import PoolGeometry
 from kvtier.agent.pool_resize import Opened, open_pool
+from kvtier.api.pool_layout import PoolGeometry
 
 PAYLOAD = 8192
 

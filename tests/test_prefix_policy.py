@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from kvtier.agent import protocol as p
 from kvtier.agent.client import AgentClient, AgentRefused
-from kvtier.agent.config import AgentConfig
 from kvtier.agent.index import HostIndex
 from kvtier.agent.policy import ARCPolicy, PrefixPolicy, make_policy
 from kvtier.agent.policy.prefix import _class
+from kvtier.api.config import AgentConfig
 from kvtier.local_agent import AgentProcess
 from kvtier.replay import load_trace, replay
 from kvtier.tracegen import multi_turn

@@ -15,8 +15,8 @@ import numpy as np
 
 from kvtier import polling
 from kvtier.agent.client import AgentClient, AgentUnavailable
-from kvtier.agent.config import AgentConfig
 from kvtier.agent.shm_index import index_path
+from kvtier.api.config import AgentConfig
 from kvtier.local_agent import AgentProcess
 from tests import index_race
 from tests.helpers import NS, key, row, wait_settled

@@ -14,10 +14,10 @@ import pytest
 from msgspec.structs import replace
 
 from kvtier import polling
-from kvtier.agent.config import ReportConfig
-from kvtier.agent.node_status import NodeStatus, build_report, read_node_status
 from kvtier.agent.registry import FileRegistry, KubernetesRegistry
 from kvtier.agent.report import Reporter
+from kvtier.api.config import ReportConfig
+from kvtier.api.node_status import NodeStatus, build_report, read_node_status
 from tests.kube_api import KubeAPI
 from tests.stats_fixtures import STATS
 

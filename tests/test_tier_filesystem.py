@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from kvtier.agent.chunk import ChunkHeader, checksum
-from kvtier.agent.config import FilesystemTierConfig
 from kvtier.agent.tiers import CorruptChunk
 from kvtier.agent.tiers.filesystem import QUARANTINE, FilesystemTier
+from kvtier.api.config import FilesystemTierConfig
 from tests.helpers import NS, key, row
 
 ROW = 16 * 1024

@@ -15,9 +15,9 @@ import pytest
 from botocore.exceptions import BotoCoreError
 
 from kvtier.agent.chunk import ChunkHeader, checksum
-from kvtier.agent.config import ObjectStoreTierConfig
 from kvtier.agent.tiers import CorruptChunk
 from kvtier.agent.tiers.objectstore import ObjectStoreTier
+from kvtier.api.config import ObjectStoreTierConfig
 from tests.conftest import free_port
 from tests.helpers import NS, key, row
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtier.agent.units import QuantityError, parse_bytes, parse_quantity
+from kvtier.api.units import QuantityError, parse_bytes, parse_quantity
 
 ROOT = Path(__file__).resolve().parent.parent
 _SUFFIX_CHARS = "eEinumkKMGTP"

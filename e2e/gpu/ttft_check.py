@@ -53,7 +53,7 @@ def main() -> int:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from kvtier.agent.transfer_config import build_kv_transfer_config
+    from kvtier.api.transfer_config import build_kv_transfer_config
     from kvtier.local_agent import AgentProcess, scratch_config
 
     os.environ.setdefault("PYTHONHASHSEED", "0")

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.agent.pool_layout import SLOT_HEADER_BYTES
 from kvtier.agent.protocol import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES
+from kvtier.api.pool_layout import SLOT_HEADER_BYTES
 
 CHUNK_MAGIC = b"KVTC"
 CHUNK_VERSION = 1

@@ -50,7 +50,7 @@ from kvtier.agent.liveness import ClientLock
 from kvtier.agent.pool import Bytes, PoolMap, staging_path
 from kvtier.agent.shm_files import foreign
 from kvtier.agent.shm_index import TableReader, digests, index_path
-from kvtier.agent.stats import AgentStats
+from kvtier.api.stats import AgentStats
 
 _RID = struct.Struct("<Q")
 REPORT_SECONDS = 0.05  # lookups answered here reach the agent at most this late...

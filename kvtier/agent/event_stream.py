@@ -39,10 +39,10 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvtier.agent.config import EventStreamConfig
 from kvtier.agent.events import NodeEvent, NodeEvents, Residency
-from kvtier.agent.stats import EventStreamStats
 from kvtier.agent.tiers.peer_wire import TrustedKeys, bind_on_pod_address, load_keys
+from kvtier.api.config import EventStreamConfig
+from kvtier.api.stats import EventStreamStats
 
 log = logging.getLogger("kvtier.agent.events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 def start(config_path: Path, check: bool) -> int:
     """Run the agent (or with `check`, validate its config and runtime and print it)."""
-    from kvtier.agent.config import ConfigError, load_config
     from kvtier.agent.logs import setup_logging
     from kvtier.agent.runtime_checks import check_runtime
+    from kvtier.api.config import ConfigError, load_config
 
     # The tier's group is the boundary: what the agent creates in the tier's directory (its
     # socket, pool and lock files) is for the group, and for nobody else.

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.agent.stats import AgentStats, TierCounts
+from kvtier.api.stats import AgentStats, TierCounts
 
 _LATENCY_BUCKETS = (
     0.00002,

@@ -19,14 +19,14 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.agent.pool_layout import (
+from kvtier.agent.shm_files import new_file
+from kvtier.api.pool_layout import (
     POOL_VERSION,
     SLOT_HEADER_BYTES,
     STAMP_OFFSET,
     SUPERBLOCK,
     PoolGeometry,
 )
-from kvtier.agent.shm_files import new_file
 
 Bytes = npt.NDArray[np.uint8]
 

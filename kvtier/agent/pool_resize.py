@@ -27,7 +27,7 @@ from kvtier.agent.pool import (
     set_size,
     superblock_of,
 )
-from kvtier.agent.pool_layout import PoolGeometry
+from kvtier.api.pool_layout import PoolGeometry
 
 log = logging.getLogger("kvtier.agent.pool")
 _FREE = ChunkHeader("", b"", 0, 0, SlotState.FREE).pack()

@@ -24,7 +24,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvtier.agent.stats import AgentStats
+from kvtier.api.stats import AgentStats
 
 # 2: connection-bound clients, lease generations, error codes
 # 3: the published index (clients answer pool lookups themselves) and Looked reports; the

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import kvtier
-from kvtier.agent.config import ReportConfig
-from kvtier.agent.node_status import parse_time
+from kvtier.api.config import ReportConfig
+from kvtier.api.node_status import parse_time
 
 log = logging.getLogger("kvtier.agent.registry")
 API_VERSION = "kvtier.io/v1alpha1"

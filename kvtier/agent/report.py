@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.agent.config import ReportConfig
-from kvtier.agent.node_status import build_report
 from kvtier.agent.registry import Registry
-from kvtier.agent.stats import AgentStats
+from kvtier.api.config import ReportConfig
+from kvtier.api.node_status import build_report
+from kvtier.api.stats import AgentStats
 
 log = logging.getLogger("kvtier.agent.report")
 

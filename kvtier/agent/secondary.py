@@ -31,14 +31,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvtier.agent.chunk import ChunkHeader
-from kvtier.agent.config import TierConfig
 from kvtier.agent.events import RESIDENCY_OF_KIND, NodeEvents
 from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import Entry
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.protocol import Where
-from kvtier.agent.stats import Tally, TierCount, TierCounts, TierStats
 from kvtier.agent.tiers import CorruptChunk, SecondaryTier, TierContext, build_tier
+from kvtier.api.config import TierConfig
+from kvtier.api.stats import Tally, TierCount, TierCounts, TierStats
 
 if TYPE_CHECKING:
     from kvtier.agent.tiers.peer import PeerTier

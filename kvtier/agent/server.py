@@ -34,7 +34,6 @@ import zmq
 import kvtier
 from kvtier.agent import protocol as p
 from kvtier.agent.access_log import AccessLog
-from kvtier.agent.config import AgentConfig
 from kvtier.agent.events import NodeEvents
 from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import LeaseError
@@ -46,8 +45,9 @@ from kvtier.agent.report import Reporter
 from kvtier.agent.runtime_checks import check_runtime
 from kvtier.agent.secondary import SecondaryTiers
 from kvtier.agent.shm_index import digests
-from kvtier.agent.stats import AgentStats
 from kvtier.agent.tiers import TierContext
+from kvtier.api.config import AgentConfig
+from kvtier.api.stats import AgentStats
 
 if TYPE_CHECKING:
     from kvtier.agent.event_stream import EventStream

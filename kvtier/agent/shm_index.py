@@ -56,14 +56,14 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.agent.pool_layout import (
+from kvtier.agent.shm_files import new_file
+from kvtier.api.pool_layout import (
     INDEX_SPARE,
     PAGE,
     index_array_bytes,
     index_capacity,
     index_file_bytes,
 )
-from kvtier.agent.shm_files import new_file
 
 MAGIC = b"KVTSHIX1"
 VERSION = 1

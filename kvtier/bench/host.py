@@ -26,9 +26,9 @@ import numpy as np
 from rich.progress import Progress
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig
 from kvtier.agent.pool import Bytes
-from kvtier.agent.pool_layout import PAGE
+from kvtier.api.config import AgentConfig
+from kvtier.api.pool_layout import PAGE
 from kvtier.bench.baseline import memcpy_rows, run_threads, shared_buffer, tmpfs_buffer
 from kvtier.local_agent import AgentProcess, scratch_config
 
@@ -236,8 +236,8 @@ def index_footprint_and_rate(entries: int, batch: int = 1024) -> dict[str, float
     tenth as many chunks (its bytes per chunk do not depend on how many there are), its
     batched lookups (by key, and by digest as clients report them) under the default, and
     its event log on its own."""
-    from kvtier.agent.pool_layout import index_file_bytes
     from kvtier.agent.shm_index import TableReader, TableWriter, digests
+    from kvtier.api.pool_layout import index_file_bytes
 
     directory = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
     path = directory / "bench.pool.index"

@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.agent.units import format_bytes
+from kvtier.api.units import format_bytes
 
 
 def _machine() -> dict[str, Any]:

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.agent.chunk import ChunkHeader, checksum
-from kvtier.agent.config import FilesystemTierConfig, ObjectStoreTierConfig
 from kvtier.agent.pool import Bytes
 from kvtier.agent.tiers.filesystem import FilesystemTier
 from kvtier.agent.tiers.objectstore import ObjectStoreTier
+from kvtier.api.config import FilesystemTierConfig, ObjectStoreTierConfig
 from kvtier.bench.baseline import shared_buffer
 from kvtier.polling import port_open, wait_for
 

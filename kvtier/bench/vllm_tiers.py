@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.agent.pool_layout import PAGE
+from kvtier.api.pool_layout import PAGE
 from kvtier.bench.vllm_scheduler import Engine, chunk_row, kvtier_extra_config
 from kvtier.local_agent import AgentProcess, scratch_config
 

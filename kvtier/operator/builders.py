@@ -8,9 +8,9 @@ import base64
 import hashlib
 from typing import Any
 
-from kvtier.agent.config import AgentConfig, ConfigError, parse_config
-from kvtier.agent.pool_layout import DEFAULT_CHUNK_SIZE
-from kvtier.agent.units import parse_bytes
+from kvtier.api.config import AgentConfig, ConfigError, parse_config
+from kvtier.api.pool_layout import DEFAULT_CHUNK_SIZE
+from kvtier.api.units import parse_bytes
 from kvtier.operator.names import (
     API_VERSION,
     GROUP,

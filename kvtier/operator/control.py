@@ -13,7 +13,7 @@ from typing import Any
 
 import jsonpatch
 
-from kvtier.agent.config import ConfigError
+from kvtier.api.config import ConfigError
 from kvtier.kube import FIELD_MANAGER, ApiError, AsyncClient, as_dict
 from kvtier.operator import diagnosis
 from kvtier.operator.names import agent_name

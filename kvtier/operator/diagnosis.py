@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.agent.units import parse_bytes
+from kvtier.api.units import parse_bytes
 from kvtier.operator.builders import MEMORY_OVERHEAD, agent_resources
 
 Manifest = dict[str, Any]

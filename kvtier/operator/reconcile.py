@@ -11,7 +11,7 @@ from typing import Any
 import zmq
 from lightkube.types import PatchType
 
-from kvtier.agent.config import ConfigError
+from kvtier.api.config import ConfigError
 from kvtier.kube import (
     FIELD_MANAGER,
     ApiError,

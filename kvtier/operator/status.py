@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.agent.fingerprint import differing_components, parse_namespace
-from kvtier.agent.node_status import TIMESTAMP, read_node_status
-from kvtier.agent.units import format_bytes
+from kvtier.api.fingerprint import differing_components, parse_namespace
+from kvtier.api.node_status import TIMESTAMP, read_node_status
+from kvtier.api.units import format_bytes
 from kvtier.operator.diagnosis import (
     LIMIT,
     AgentProblem,

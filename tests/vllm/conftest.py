@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.agent.config import AgentConfig
+from kvtier.api.config import AgentConfig
 from kvtier.bench.vllm_scheduler import ROW, Engine, kvtier_extra_config
 from kvtier.demo_engines.tiny_model import build
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult
 
-from kvtier.agent.config import AgentConfig
+from kvtier.api.config import AgentConfig
 from kvtier.bench.vllm_scheduler import Engine
 from kvtier.demo_engines.tiny_model import build
 from kvtier.local_agent import AgentProcess

@@ -12,9 +12,9 @@ from vllm.v1.kv_offload.base import LookupResult, Medium
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig
-from kvtier.agent.fingerprint import differing_components
 from kvtier.agent.vllm import KVTierSecondaryTier
+from kvtier.api.config import AgentConfig
+from kvtier.api.fingerprint import differing_components
 from kvtier.bench.vllm_scheduler import ROW, Engine, chunk_key, chunk_row
 from kvtier.local_agent import AgentProcess
 from tests.vllm.conftest import engine_of

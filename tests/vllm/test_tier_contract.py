@@ -38,8 +38,8 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier.agent import vllm as plugin
 from kvtier.agent.client import AgentClient
-from kvtier.agent.config import AgentConfig
 from kvtier.agent.vllm import KVTierSecondaryTier
+from kvtier.api.config import AgentConfig
 from kvtier.bench.vllm_scheduler import (
     ROW,
     Engine,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.agent.config import AgentConfig
-from kvtier.agent.transfer_config import build_kv_transfer_config
+from kvtier.api.config import AgentConfig
+from kvtier.api.transfer_config import build_kv_transfer_config
 
 REPO = Path(__file__).resolve().parents[2]
 INTERFACE = Path(os.environ.get("KVTIER_VLLM_INTERFACE", REPO / ".venv-vllm" / "vllm-interface"))

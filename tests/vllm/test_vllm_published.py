@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.agent.config import parse_config
 from kvtier.agent.vllm import KVTierSecondaryTier
+from kvtier.api.config import parse_config
 from kvtier.local_agent import AgentProcess
 from tests.conftest import AGENT_PYTHON, config_data
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier.agent.config import TierConfig
 from kvtier.agent.tiers.base import CorruptChunk, SecondaryTier, TierUsage
+from kvtier.api.config import TierConfig
 
 if TYPE_CHECKING:
     from kvtier.agent.host_tier import HostTier

@@ -18,7 +18,7 @@ from typing import Generic, Protocol, TypeVar
 import xxhash
 
 from kvtier.agent.chunk import HEADER_BYTES, ChunkHeader, checksum
-from kvtier.agent.stats import PeerCounts
+from kvtier.api.stats import PeerCounts
 
 
 class CorruptChunk(Exception):

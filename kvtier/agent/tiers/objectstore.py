@@ -21,8 +21,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from kvtier.agent.chunk import ChunkHeader
-from kvtier.agent.config import ObjectStoreTierConfig
 from kvtier.agent.tiers.base import HEADER_BYTES, BlobTier, CorruptChunk, TierUsage
+from kvtier.api.config import ObjectStoreTierConfig
 
 log = logging.getLogger("kvtier.agent.tiers.objectstore")
 

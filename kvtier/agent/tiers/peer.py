@@ -25,9 +25,7 @@ import time
 import msgspec
 
 from kvtier.agent.chunk import ChunkHeader
-from kvtier.agent.config import PeerTierConfig
 from kvtier.agent.registry import Registry
-from kvtier.agent.stats import PeerCount, PeerCounts, Tally
 from kvtier.agent.tiers import TierContext
 from kvtier.agent.tiers.base import CorruptChunk, SecondaryTier, TierUsage
 from kvtier.agent.tiers.peer_connection import Connection, Connections, call_all
@@ -36,6 +34,8 @@ from kvtier.agent.tiers.peer_membership import Membership
 from kvtier.agent.tiers.peer_reads import Holders, Reader
 from kvtier.agent.tiers.peer_server import PeerServer
 from kvtier.agent.tiers.peer_wire import Announce, Holds, WhoHas, Withdraw, decode_holders
+from kvtier.api.config import PeerTierConfig
+from kvtier.api.stats import PeerCount, PeerCounts, Tally
 
 log = logging.getLogger("kvtier.agent.peers")
 ANNOUNCE_BATCH = 4096  # keys per announcement message (re-announcing a whole pool)

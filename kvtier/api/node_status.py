@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from kvtier.agent.stats import AgentStats
+from kvtier.api.stats import AgentStats
 
 TIMESTAMP = "%Y-%m-%dT%H:%M:%SZ"
 

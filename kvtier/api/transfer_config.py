@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvtier.agent.config import AgentConfig
+from kvtier.api.config import AgentConfig
 
 PLUGIN_MODULE = "kvtier.agent.vllm"
 PLUGIN_CLASS = "KVTierSecondaryTier"

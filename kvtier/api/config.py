@@ -22,8 +22,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kvtier.agent.pool_layout import SLOT_HEADER_BYTES, pool_slot_count, slot_payload_bytes
-from kvtier.agent.units import format_bytes, parse_bytes
+from kvtier.api.pool_layout import SLOT_HEADER_BYTES, pool_slot_count, slot_payload_bytes
+from kvtier.api.units import format_bytes, parse_bytes
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
 
