@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.agent.client import AgentClient, AgentUnavailable, Grant
 from kvtier.api.config import AgentConfig, parse_config
+from kvtier.client.connection import AgentClient, AgentUnavailable, Grant
 from kvtier.local_agent import AgentProcess
 from tests.agent_fuzz import random_hostile
 from tests.conftest import AGENT_PYTHON, free_port, wait_port

@@ -354,7 +354,7 @@ def test_a_real_agent_publishes_its_node_and_kubectl_get_shows_it(
     """A real agent process logs in with the kubeconfig (over TLS with inline CA data when
     emulated), creates its KVCacheNode, reports; the tier's status and `kubectl get kvt`
     columns then show it."""
-    from kvtier.agent.client import AgentClient
+    from kvtier.client.connection import AgentClient
     from kvtier.local_agent import AgentProcess, scratch_config
 
     monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from e2e.engines import BLOCKS_PER_PROMPT, HITS, PROMPTS, REPO, kv_config, run_engines
-from kvtier.agent.client import AgentClient
 from kvtier.api.config import AgentConfig
+from kvtier.client.connection import AgentClient
 from kvtier.demo_engines.tiny_model import build
 from kvtier.local_agent import AgentProcess
 

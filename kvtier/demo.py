@@ -26,10 +26,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvtier.agent.client import AgentClient
 from kvtier.api.config import AgentConfig
 from kvtier.api.stats import AgentStats
 from kvtier.api.units import format_bytes
+from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess, scratch_config
 from kvtier.workload import WorkloadShape, chunk_keys, conversation_turns, row_for
 

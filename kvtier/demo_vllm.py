@@ -21,8 +21,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.agent.client import AgentClient
 from kvtier.api.transfer_config import build_kv_transfer_config
+from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess, scratch_config
 
 SYSTEM = " ".join(f"w{(i * 11) % 400}" for i in range(256))

@@ -14,8 +14,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from kvtier.agent.client import AgentClient, AgentUnavailable
 from kvtier.api.config import AgentConfig, parse_config
+from kvtier.client.connection import AgentClient, AgentUnavailable
 
 
 class AgentProcess:

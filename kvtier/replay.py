@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress, TaskID
 
-    from kvtier.agent.client import AgentClient
+    from kvtier.client.connection import AgentClient
 
 NAMESPACE = "replay"
 CLIENT = "replay"
@@ -614,7 +614,7 @@ def replay_agent(
     store of the rest naming each chunk's parent. The pool size, policy and secondary tiers
     are the agent's own; hits are counted by the tier that held them. A fresh namespace by
     default, so chunks of an earlier run are no hits."""
-    from kvtier.agent.client import AgentClient
+    from kvtier.client.connection import AgentClient
 
     namespace = namespace or f"kvtier-replay-{secrets.token_hex(4)}"
     warmup = int(trace.requests * warmup_fraction)
@@ -740,7 +740,7 @@ def _main_agent(args: Any, err: Any) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvtier.agent.client import AgentUnavailable
+    from kvtier.client.connection import AgentUnavailable
 
     try:
         trace = load_trace(args.trace, args.block_size, args.limit)

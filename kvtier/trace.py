@@ -19,9 +19,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
 
-from kvtier.agent import protocol as p
 from kvtier.agent.access_log import Logged, to_records
-from kvtier.agent.client import AgentClient
+from kvtier.client import protocol as p
+from kvtier.client.connection import AgentClient
 
 DEFAULT_BLOCK_TOKENS = 16  # vLLM's default block size
 
@@ -81,7 +81,7 @@ def export(endpoint: str, output: str, block_size: int, timeout: float = 10.0) -
 
 def main(args: Any) -> int:
     """Entry point of `kvtier trace` (flags parsed in kvtier.cli)."""
-    from kvtier.agent.client import AgentUnavailable
+    from kvtier.client.connection import AgentUnavailable
 
     endpoint = args.agent
     if endpoint is None:

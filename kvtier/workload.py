@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.agent.pool import Bytes
+from kvtier.shm.pool import Bytes
 
 ROOT_KEY = b"\0" * 16
 

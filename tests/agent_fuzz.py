@@ -14,9 +14,9 @@ from typing import Any
 
 import msgspec
 
-from kvtier.agent import protocol as p
-from kvtier.agent.client import AgentClient
-from kvtier.agent.pool import PoolMap
+from kvtier.client import protocol as p
+from kvtier.client.connection import AgentClient
+from kvtier.shm.pool import PoolMap
 
 LONG_NS = "n" * 300
 WIDE_NS = "\u20ac" * 100  # 100 characters, 300 bytes

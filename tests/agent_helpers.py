@@ -12,10 +12,10 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier import polling
-from kvtier.agent.chunk import ChunkHeader
-from kvtier.agent.client import AgentClient
-from kvtier.agent.pool import PoolMap
 from kvtier.api.stats import TierStats
+from kvtier.client.connection import AgentClient
+from kvtier.shm.chunk import ChunkHeader
+from kvtier.shm.pool import PoolMap
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from kvtier.agent.client import AgentClient
 from kvtier.api.config import AgentConfig, parse_config
+from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess
 from kvtier.polling import port_open, wait_for
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.agent.client import AgentClient
 from kvtier.api.stats import AgentStats
+from kvtier.client.connection import AgentClient
 from kvtier.polling import wait_for
 
 NS = "model-a-fp16-b256"

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.agent.chunk import ChunkHeader
-from kvtier.agent.client import AgentClient, AgentUnavailable
-from kvtier.agent.pool import PoolMap
-from kvtier.agent.shm_index import digest, digests
+from kvtier.client.connection import AgentClient, AgentUnavailable
+from kvtier.shm.chunk import ChunkHeader
+from kvtier.shm.pool import PoolMap
+from kvtier.shm.table import digest, digests
 from tests.helpers import NS, key, row
 
 KEYS = 240  # more than the pool's slots: stores evict all the time
@@ -65,7 +65,7 @@ def look(endpoint: str, nbytes: int, seconds: float, out: Any) -> None:
 
 def check_left_table(pool_path: Path, index_file: Path, nbytes: int) -> tuple[int, list[str]]:
     """Every whole entry of a table a dead agent left: its slot holds its chunk, whole."""
-    from kvtier.agent.shm_index import TableReader
+    from kvtier.shm.table import TableReader
 
     reader = TableReader(index_file)
     pool = PoolMap.open(pool_path, populate=False)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.agent.client import AgentClient
+from kvtier.client.connection import AgentClient
 
 NAMESPACE = "kubelet-rules"
 PAGE = 4096

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier.agent.client import AgentClient
 from kvtier.api.config import AgentConfig
 from kvtier.api.stats import TierStats
+from kvtier.client.connection import AgentClient
 from tests.agent_helpers import store, wait_for
 from tests.helpers import NS, key
 

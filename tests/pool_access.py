@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.agent.chunk import ChunkHeader
-from kvtier.agent.pool import PoolMap, staging_path
+from kvtier.shm.chunk import ChunkHeader
+from kvtier.shm.pool import PoolMap, staging_path
 
 NOBODY = 65534
 

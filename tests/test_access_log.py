@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.agent import protocol as p
 from kvtier.agent.access_log import AccessLog, to_records
 from kvtier.cli import main
+from kvtier.client import protocol as p
 from kvtier.replay import Budget, load_trace, run
 from kvtier.tracegen import multi_turn, write
 from tests.conftest import ROW, ChatsThroughAgent

@@ -12,11 +12,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
-from kvtier.agent.pool import PoolMap
 from kvtier.api.config import AgentConfig
 from kvtier.api.stats import StoreSkips
+from kvtier.client.connection import AgentClient, AgentRefused, AgentUnavailable
 from kvtier.local_agent import AgentProcess
+from kvtier.shm.pool import PoolMap
 from tests.agent_helpers import find_slot, scrape
 from tests.conftest import ROW
 from tests.helpers import NS, hold_leases, key, loaned_chunk, row, store_and_verify, wait_settled

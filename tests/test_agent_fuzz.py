@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import zmq
 
-from kvtier.agent import protocol as p
-from kvtier.agent.client import AgentClient
-from kvtier.agent.liveness import ClientLock
+from kvtier.client import protocol as p
+from kvtier.client.connection import AgentClient
+from kvtier.client.liveness import ClientLock
 from kvtier.local_agent import AgentProcess
 from tests.agent_fuzz import per_message_type, random_hostile, rid, snapshot
 from tests.agent_helpers import scrape

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.agent.client import AgentClient
 from kvtier.api.config import AgentConfig
+from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess
 from tests.agent_helpers import load_exact, s3_tier, scrape, store, tier_stats, wait_for
 from tests.conftest import free_port

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.agent.client import AgentClient, AgentRefused
+from kvtier.client.connection import AgentClient, AgentRefused
 from kvtier.local_agent import AgentProcess
 from tests.conftest import ROW
 
@@ -69,8 +69,8 @@ def test_lookup_reports_are_cut_into_messages_the_agent_accepts() -> None:
     bounds (MAX_KEYS keys, MAX_KEYS requests), which the agent would drop unanswered."""
     import numpy as np
 
-    from kvtier.agent import protocol as p
-    from kvtier.agent.client import _report_parts
+    from kvtier.client import protocol as p
+    from kvtier.client.connection import _report_parts
 
     requests = [np.arange(n, dtype=np.uint64) for n in [p.MAX_KEYS, 3, p.MAX_KEYS - 2, 1, 5]]
     parts = _report_parts(requests)

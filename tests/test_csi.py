@@ -322,8 +322,8 @@ def test_an_agent_using_the_whole_capacity_fits_its_volume(node: Node) -> None:
     """The volume holds the pool, its staging area and its published index (all allocated
     at start), not just the pool: an agent whose pool is the tier's whole capacity passes
     its runtime checks in it, starts and stores."""
-    from kvtier.agent.client import AgentClient
     from kvtier.agent.runtime_checks import check_runtime
+    from kvtier.client.connection import AgentClient
     from kvtier.local_agent import AgentProcess, scratch_config
 
     assert tier_volume_bytes(256 << 20, 64 << 10) > (256 << 20) + (64 << 10) * 64  # staging

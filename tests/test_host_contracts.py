@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable, LeaseLost
-from kvtier.agent.shm_index import digests
 from kvtier.api.config import AgentConfig
+from kvtier.client.connection import AgentClient, AgentRefused, AgentUnavailable, LeaseLost
 from kvtier.local_agent import AgentProcess
+from kvtier.shm.table import digests
 from tests.agent_helpers import wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, loaned_chunk, row, wait_settled

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.agent.client import AgentClient, AgentUnavailable
 from kvtier.api.config import AgentConfig
+from kvtier.client.connection import AgentClient, AgentUnavailable
 from kvtier.local_agent import AgentProcess, scratch_config
 
 pytestmark = pytest.mark.skipif(

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from kvtier.agent.index import HostIndex, LeaseError
 from kvtier.agent.index_slots import KEY_WIDTH, SlotMap
 from kvtier.agent.policy import make_policy
-from kvtier.agent.protocol import StoreCode, Where
-from kvtier.agent.shm_index import TableWriter, digests
 from kvtier.bench.host import agent_index_bytes
+from kvtier.client.protocol import StoreCode, Where
+from kvtier.shm.table import TableWriter, digests
 
 EXISTS, BUSY, FULL = StoreCode.EXISTS, StoreCode.BUSY, StoreCode.FULL
 MISS = Where.MISS
@@ -333,7 +333,7 @@ def test_slots_taken_by_a_restart_are_never_handed_out(ops: list[str]) -> None:
     """Slots a restart takes out of the free ones by name, in any order (adopting the
     chunks the pool holds, resting those a writer may still copy into), are never handed
     to a store while taken; no two chunks share a slot; the free count stays true."""
-    from kvtier.agent.chunk import ChunkHeader
+    from kvtier.shm.chunk import ChunkHeader
 
     index = HostIndex(16, make_policy("lru", 16))
     resting: set[int] = set()

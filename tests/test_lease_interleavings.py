@@ -12,8 +12,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvtier.agent.client import AgentClient, AgentUnavailable, Grant
 from kvtier.api.config import AgentConfig
+from kvtier.client.connection import AgentClient, AgentUnavailable, Grant
 from kvtier.local_agent import AgentProcess
 from tests.conftest import ROW
 from tests.helpers import NS, key, row

@@ -12,9 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.agent import protocol as p
-from kvtier.agent.chunk import ChunkHeader, checksum
-from kvtier.agent.client import AgentClient
 from kvtier.agent.events import (
     ALL_NAMESPACES,
     POOL,
@@ -27,7 +24,10 @@ from kvtier.agent.tiers.base import namespace_dir
 from kvtier.agent.tiers.filesystem import FilesystemTier
 from kvtier.agent.tiers.objectstore import ObjectStoreTier
 from kvtier.api.config import AgentConfig, FilesystemTierConfig, ObjectStoreTierConfig
+from kvtier.client import protocol as p
+from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess
+from kvtier.shm.chunk import ChunkHeader, checksum
 from tests.agent_helpers import load_exact, store, wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, row

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvtier.agent.client import AgentClient
 from kvtier.api.config import AgentConfig
+from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess
 from tests.agent_helpers import load_exact, wait_for
 from tests.conftest import ROW

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.agent.client import AgentClient
 from kvtier.agent.tiers.nixl_path import available
 from kvtier.agent.tiers.peer_wire import write_keys
 from kvtier.api.config import AgentConfig
 from kvtier.bench.peers import UCX_BETWEEN_HOSTS
+from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess
 from tests import netns
 from tests.agent_helpers import load_exact, wait_for

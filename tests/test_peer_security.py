@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import zmq
 
-from kvtier.agent.client import AgentClient
 from kvtier.agent.tiers.nixl_path import available
 from kvtier.agent.tiers.peer_wire import (
     RID,
@@ -40,6 +39,7 @@ from kvtier.agent.tiers.peer_wire import (
     write_keys,
 )
 from kvtier.api.config import AgentConfig
+from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess
 from tests.agent_helpers import load_exact, wait_for
 from tests.conftest import ROW

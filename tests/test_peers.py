@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.agent.client import AgentClient
-from kvtier.agent.pool import PoolMap
 from kvtier.agent.tiers.peer_directory import home_of
 from kvtier.agent.tiers.peer_wire import write_keys
 from kvtier.api.config import AgentConfig
+from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess
+from kvtier.shm.pool import PoolMap
 from tests import netns
 from tests.agent_helpers import find_slot, load_exact, scrape, wait_for
 from tests.conftest import ROW

@@ -14,9 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from kvtier.agent.client import AgentClient
-from kvtier.agent.pool import staging_path
+from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess
+from kvtier.shm.pool import staging_path
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled
 from tests.pool_access import sealed_slots

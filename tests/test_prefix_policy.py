@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.agent import protocol as p
-from kvtier.agent.client import AgentClient, AgentRefused
 from kvtier.agent.index import HostIndex
 from kvtier.agent.policy import ARCPolicy, PrefixPolicy, make_policy
 from kvtier.agent.policy.prefix import _class
 from kvtier.api.config import AgentConfig
+from kvtier.client import protocol as p
+from kvtier.client.connection import AgentClient, AgentRefused
 from kvtier.local_agent import AgentProcess
 from kvtier.replay import load_trace, replay
 from kvtier.tracegen import multi_turn

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.agent.index import HostIndex
-from kvtier.agent.protocol import StoreCode
 from kvtier.cli import main
+from kvtier.client.protocol import StoreCode
 from kvtier.replay import BeladyPolicy, Budget, budgets, load_trace, replay, run
 from kvtier.tracegen import write as write_trace
 from tests.conftest import ROW, ChatsThroughAgent

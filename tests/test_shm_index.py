@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.agent import shm_index as s
+from kvtier.shm import table as s
 
 
 @given(st.lists(st.binary(min_size=1, max_size=80), min_size=1, max_size=60), st.text(max_size=8))

@@ -30,7 +30,7 @@ NOT_IN_VLLM = ["kopf", "lightkube", "kubernetes", "boto3", "botocore", "grpc", "
 
 CLIENT = """
 import numpy as np
-from kvtier.agent.client import AgentClient, AgentUnavailable
+from kvtier.client.connection import AgentClient, AgentUnavailable
 rows = [np.random.default_rng(i).integers(0, 255, 256 << 10, np.uint8) for i in range(8)]
 keys = [b"image-%026d" % i for i in range(8)]
 try:

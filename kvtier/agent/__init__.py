@@ -1,5 +1,5 @@
 """The kvtier node agent: the node's host-memory hub for KV chunks.
 
 Importing this package must stay cheap and free of heavy dependencies, because the vLLM
-plug-in imports `kvtier.agent.client` from inside vLLM's own environment.
+plug-in imports `kvtier.client.connection` from inside vLLM's own environment.
 """

@@ -39,10 +39,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier.agent import protocol as p
+from kvtier.client import protocol as p
 
 if TYPE_CHECKING:
-    from kvtier.agent.shm_index import U64
+    from kvtier.shm.table import U64
 
 DEFAULT_MAX_KEYS = 1 << 20  # about 40 MiB at most
 PAGE_KEYS = 1 << 16  # keys per page of an export (well under the protocol's message bound)

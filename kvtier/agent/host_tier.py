@@ -34,16 +34,11 @@ import msgspec
 import numpy as np
 import xxhash
 
-from kvtier.agent.chunk import ChunkHeader, SlotState, checksum
 from kvtier.agent.events import EventBatch
 from kvtier.agent.index import Entry, HostIndex
 from kvtier.agent.metrics import AgentMetrics
 from kvtier.agent.policy import make_policy
-from kvtier.agent.pool import open_staging, staging_path, trim
 from kvtier.agent.pool_resize import open_pool
-from kvtier.agent.protocol import StoreCode
-from kvtier.agent.shm_files import claim, close_directory
-from kvtier.agent.shm_index import U64, TableWriter, index_path
 from kvtier.api.config import HostTierConfig
 from kvtier.api.pool_layout import (
     PoolGeometry,
@@ -51,6 +46,11 @@ from kvtier.api.pool_layout import (
     staging_geometry,
 )
 from kvtier.api.stats import HostStats, PolicyStats, StoreSkip, StoreSkips, Tally
+from kvtier.client.protocol import StoreCode
+from kvtier.shm.chunk import ChunkHeader, SlotState, checksum
+from kvtier.shm.files import claim, close_directory
+from kvtier.shm.pool import open_staging, staging_path, trim
+from kvtier.shm.table import U64, TableWriter, index_path
 
 log = logging.getLogger("kvtier.agent.host")
 

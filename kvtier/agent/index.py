@@ -63,7 +63,6 @@ from typing import Literal, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.events import ChunkEvents
 from kvtier.agent.index_slots import (
     KEY_WIDTH,
@@ -76,8 +75,9 @@ from kvtier.agent.index_slots import (
     Slots,
 )
 from kvtier.agent.policy import ChunkId, EvictionPolicy
-from kvtier.agent.protocol import StoreCode, Where
-from kvtier.agent.shm_index import U64, TableWriter
+from kvtier.client.protocol import StoreCode, Where
+from kvtier.shm.chunk import ChunkHeader
+from kvtier.shm.table import U64, TableWriter
 
 
 class LeaseError(ValueError):

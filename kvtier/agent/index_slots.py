@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.agent.shm_index import U64, digests
+from kvtier.shm.table import U64, digests
 
 Slots = npt.NDArray[np.int64]
 Mask = npt.NDArray[np.bool_]

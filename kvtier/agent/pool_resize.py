@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.agent.chunk import ChunkHeader, SlotState
-from kvtier.agent.pool import (
+from kvtier.api.pool_layout import PoolGeometry
+from kvtier.shm.chunk import ChunkHeader, SlotState
+from kvtier.shm.pool import (
     POOL_MODE,
     PoolMap,
     create,
@@ -27,9 +28,8 @@ from kvtier.agent.pool import (
     set_size,
     superblock_of,
 )
-from kvtier.api.pool_layout import PoolGeometry
 
-log = logging.getLogger("kvtier.agent.pool")
+log = logging.getLogger("kvtier.shm.pool")
 _FREE = ChunkHeader("", b"", 0, 0, SlotState.FREE).pack()
 
 

@@ -10,14 +10,14 @@ import os
 import tempfile
 from pathlib import Path
 
-from kvtier.agent.pool import staging_path
-from kvtier.agent.shm_index import index_path
 from kvtier.api.config import AgentConfig, ConfigError
 from kvtier.api.pool_layout import (
     pool_geometry,
     tier_files_bytes,
 )
 from kvtier.api.units import format_bytes
+from kvtier.shm.pool import staging_path
+from kvtier.shm.table import index_path
 
 
 def _check_writable_dir(field: str, directory: Path) -> str | None:

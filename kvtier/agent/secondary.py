@@ -30,15 +30,15 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.events import RESIDENCY_OF_KIND, NodeEvents
 from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import Entry
 from kvtier.agent.metrics import AgentMetrics
-from kvtier.agent.protocol import Where
 from kvtier.agent.tiers import CorruptChunk, SecondaryTier, TierContext, build_tier
 from kvtier.api.config import TierConfig
 from kvtier.api.stats import Tally, TierCount, TierCounts, TierStats
+from kvtier.client.protocol import Where
+from kvtier.shm.chunk import ChunkHeader
 
 if TYPE_CHECKING:
     from kvtier.agent.tiers.peer import PeerTier

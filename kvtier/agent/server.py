@@ -32,22 +32,22 @@ import numpy as np
 import zmq
 
 import kvtier
-from kvtier.agent import protocol as p
 from kvtier.agent.access_log import AccessLog
 from kvtier.agent.events import NodeEvents
 from kvtier.agent.host_tier import HostTier
 from kvtier.agent.index import LeaseError
-from kvtier.agent.liveness import ClientRegistry
 from kvtier.agent.metrics import AgentMetrics
-from kvtier.agent.protocol import Where
 from kvtier.agent.registry import make_registry
 from kvtier.agent.report import Reporter
 from kvtier.agent.runtime_checks import check_runtime
 from kvtier.agent.secondary import SecondaryTiers
-from kvtier.agent.shm_index import digests
 from kvtier.agent.tiers import TierContext
 from kvtier.api.config import AgentConfig
 from kvtier.api.stats import AgentStats
+from kvtier.client import protocol as p
+from kvtier.client.liveness import ClientRegistry
+from kvtier.client.protocol import Where
+from kvtier.shm.table import digests
 
 if TYPE_CHECKING:
     from kvtier.agent.event_stream import EventStream

@@ -43,13 +43,13 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvtier.agent.client import AgentClient, AgentRefused, AgentUnavailable
-from kvtier.agent.shm_index import digest
 from kvtier.agent.vllm_chains import PrefixChains
 from kvtier.agent.vllm_events import EventFeed
 from kvtier.agent.vllm_jobs import JobRunner
 from kvtier.agent.vllm_metrics import Metrics, Observations, metric_definitions
 from kvtier.api.fingerprint import describe, engine_fingerprint, with_hash_seed
+from kvtier.client.connection import AgentClient, AgentRefused, AgentUnavailable
+from kvtier.shm.table import digest
 
 # A child of vLLM's own logger: vLLM configures only "vllm" (its handler, format and
 # VLLM_LOGGING_LEVEL), so this is how the plug-in's lines reach a vLLM user's output.

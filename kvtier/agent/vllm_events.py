@@ -22,7 +22,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
 
-from kvtier.agent.client import AgentClient
+from kvtier.client.connection import AgentClient
 
 log = logging.getLogger("vllm.kvtier")
 EVENTS_POLL_SECONDS = 0.5

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from kvtier.agent.pool import Bytes
+from kvtier.shm.pool import Bytes
 
 
 def shared_buffer(nbytes: int) -> Bytes:

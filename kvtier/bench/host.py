@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from rich.progress import Progress
 
-from kvtier.agent.client import AgentClient
-from kvtier.agent.pool import Bytes
 from kvtier.api.config import AgentConfig
 from kvtier.api.pool_layout import PAGE
 from kvtier.bench.baseline import memcpy_rows, run_threads, shared_buffer, tmpfs_buffer
+from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess, scratch_config
+from kvtier.shm.pool import Bytes
 
 if TYPE_CHECKING:
     from kvtier.agent.index import HostIndex
@@ -236,8 +236,8 @@ def index_footprint_and_rate(entries: int, batch: int = 1024) -> dict[str, float
     tenth as many chunks (its bytes per chunk do not depend on how many there are), its
     batched lookups (by key, and by digest as clients report them) under the default, and
     its event log on its own."""
-    from kvtier.agent.shm_index import TableReader, TableWriter, digests
     from kvtier.api.pool_layout import index_file_bytes
+    from kvtier.shm.table import TableReader, TableWriter, digests
 
     directory = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
     path = directory / "bench.pool.index"
@@ -312,7 +312,7 @@ def agent_index_rates(chunks: int, batch: int) -> dict[str, float]:
     and by digest (lookups clients answered from the published table and report)."""
     from kvtier.agent.index import HostIndex
     from kvtier.agent.policy import make_policy
-    from kvtier.agent.shm_index import TableWriter, digests
+    from kvtier.shm.table import TableWriter, digests
 
     directory = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
     try:

@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.agent.client import AgentClient
 from kvtier.agent.tiers.nixl_path import available
 from kvtier.agent.tiers.peer_wire import write_keys
 from kvtier.api.config import AgentConfig
 from kvtier.api.pool_layout import PAGE
 from kvtier.api.stats import PeerCounts
 from kvtier.bench import netns
+from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess, scratch_peer_config
 
 MiB = 1 << 20

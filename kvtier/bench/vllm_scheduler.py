@@ -32,9 +32,9 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtier.agent.pool import Bytes
 from kvtier.api.config import AgentConfig
 from kvtier.api.transfer_config import build_kv_transfer_config
+from kvtier.shm.pool import Bytes
 
 ROW = 64 * 1024
 _ids = itertools.count()

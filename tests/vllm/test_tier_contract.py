@@ -37,7 +37,6 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvtier.agent import vllm as plugin
-from kvtier.agent.client import AgentClient
 from kvtier.agent.vllm import KVTierSecondaryTier
 from kvtier.api.config import AgentConfig
 from kvtier.bench.vllm_scheduler import (
@@ -48,6 +47,7 @@ from kvtier.bench.vllm_scheduler import (
     kvtier_extra_config,
     offloading_config,
 )
+from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess
 from tests.vllm.conftest import engine_of
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.agent.pool import PoolMap
+from kvtier.shm.pool import PoolMap
 
 log = logging.getLogger("kvtier.agent.nixl")
 

@@ -24,7 +24,6 @@ import time
 
 import msgspec
 
-from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.registry import Registry
 from kvtier.agent.tiers import TierContext
 from kvtier.agent.tiers.base import CorruptChunk, SecondaryTier, TierUsage
@@ -36,6 +35,7 @@ from kvtier.agent.tiers.peer_server import PeerServer
 from kvtier.agent.tiers.peer_wire import Announce, Holds, WhoHas, Withdraw, decode_holders
 from kvtier.api.config import PeerTierConfig
 from kvtier.api.stats import PeerCount, PeerCounts, Tally
+from kvtier.shm.chunk import ChunkHeader
 
 log = logging.getLogger("kvtier.agent.peers")
 ANNOUNCE_BATCH = 4096  # keys per announcement message (re-announcing a whole pool)

@@ -15,7 +15,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.tiers.base import CorruptChunk, check_blob, check_payload
 from kvtier.agent.tiers.peer_connection import Connection, Connections
 from kvtier.agent.tiers.peer_server import PeerServer
@@ -30,6 +29,7 @@ from kvtier.agent.tiers.peer_wire import (
     decode_loan,
 )
 from kvtier.api.stats import PeerCount
+from kvtier.shm.chunk import ChunkHeader
 
 log = logging.getLogger("kvtier.agent.peers")
 HOLDER_CACHE = 65536

@@ -19,7 +19,6 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.host_tier import LENDER, HostTier
 from kvtier.agent.tiers.nixl_path import NixlPath, available
 from kvtier.agent.tiers.peer_directory import Directory
@@ -45,6 +44,7 @@ from kvtier.agent.tiers.peer_wire import (
     load_keys,
 )
 from kvtier.api.config import PeerTierConfig
+from kvtier.shm.chunk import ChunkHeader
 
 log = logging.getLogger("kvtier.agent.peers")
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.agent.shm_files import new_file
 from kvtier.api.pool_layout import (
     POOL_VERSION,
     SLOT_HEADER_BYTES,
@@ -27,6 +26,7 @@ from kvtier.api.pool_layout import (
     SUPERBLOCK,
     PoolGeometry,
 )
+from kvtier.shm.files import new_file
 
 Bytes = npt.NDArray[np.uint8]
 

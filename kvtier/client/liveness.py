@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-log = logging.getLogger("kvtier.agent.liveness")
+log = logging.getLogger("kvtier.client.liveness")
 
 # A lock file younger than this is never swept: its client may be between creating the file
 # and taking the lock.

@@ -56,7 +56,6 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.agent.shm_files import new_file
 from kvtier.api.pool_layout import (
     INDEX_SPARE,
     PAGE,
@@ -64,6 +63,8 @@ from kvtier.api.pool_layout import (
     index_capacity,
     index_file_bytes,
 )
+from kvtier.shm.chunk import MAX_KEY_BYTES
+from kvtier.shm.files import new_file
 
 MAGIC = b"KVTSHIX1"
 VERSION = 1
@@ -101,7 +102,7 @@ def namespace_seed(namespace: str) -> int:
     return seed
 
 
-_WORDS = 128  # MAX_KEY_BYTES / 8
+_WORDS = MAX_KEY_BYTES // 8
 _A = [((_K_WORD + 2 * j * _K_LEN) | 1) & _MASK for j in range(_WORDS)]
 _B = [((_F1 + 2 * j * _F2) | 1) & _MASK for j in range(_WORDS)]
 _A_NP = np.array(_A, np.uint64)

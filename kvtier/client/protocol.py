@@ -25,6 +25,7 @@ from typing import Annotated
 import msgspec
 
 from kvtier.api.stats import AgentStats
+from kvtier.shm.chunk import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES
 
 # 2: connection-bound clients, lease generations, error codes
 # 3: the published index (clients answer pool lookups themselves) and Looked reports; the
@@ -34,8 +35,6 @@ PROTOCOL_VERSION = 4
 ONE_WAY = b"\0" * 8
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_KEYS = 65536
-MAX_NAMESPACE_BYTES = 256  # as in a chunk header
-MAX_KEY_BYTES = 1024
 
 
 class StoreCode(IntEnum):

@@ -45,12 +45,12 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from kvtier.agent import protocol as p
-from kvtier.agent.liveness import ClientLock
-from kvtier.agent.pool import Bytes, PoolMap, staging_path
-from kvtier.agent.shm_files import foreign
-from kvtier.agent.shm_index import TableReader, digests, index_path
 from kvtier.api.stats import AgentStats
+from kvtier.client import protocol as p
+from kvtier.client.liveness import ClientLock
+from kvtier.shm.files import foreign
+from kvtier.shm.pool import Bytes, PoolMap, staging_path
+from kvtier.shm.table import TableReader, digests, index_path
 
 _RID = struct.Struct("<Q")
 REPORT_SECONDS = 0.05  # lookups answered here reach the agent at most this late...
