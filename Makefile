@@ -38,7 +38,7 @@ vllm-env: $(VLLM_STAMP)
 # cannot be imported here): the wheel is downloaded once, the files re-extracted when the
 # plug-in changes; tests/vllm/test_vllm_interface.py reads them.
 VLLM_INTERFACE := $(VLLM_VENV)/vllm-interface/.complete
-$(VLLM_INTERFACE): $(STAMP) tools/fetch_vllm_interface.py $(wildcard kvtier/agent/vllm*.py) kvtier/api/fingerprint.py
+$(VLLM_INTERFACE): $(STAMP) tools/fetch_vllm_interface.py $(wildcard kvtier/vllm/*.py) kvtier/api/fingerprint.py
 	$(PY) tools/fetch_vllm_interface.py $(VLLM_VENV)/vllm-interface
 
 # vLLM's own tests of secondary tiers, from vLLM's source distribution (the wheel has none):

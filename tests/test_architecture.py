@@ -52,7 +52,7 @@ OPERATOR_MAY_NOT_IMPORT = (
 )
 # The plug-in and what it imports run in vLLM's environment: numpy, pyzmq, msgspec, xxhash
 # come with vLLM; nothing that talks to Kubernetes, S3 or NIXL may be imported there.
-PLUGIN = "kvtier.agent.vllm"
+PLUGIN = "kvtier.vllm.tier"
 NOT_IN_VLLM = ("kopf", "kubernetes", "lightkube", "boto3", "botocore", "nixl", "grpc", "rich")
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 VERSION = "0.33.0"
 ROOTS = ("vllm/v1/kv_offload/",)
-PLUGIN_FILES = ("kvtier/agent/vllm*.py", "kvtier/api/fingerprint.py")  # the parts using vLLM
+PLUGIN_FILES = ("kvtier/vllm/*.py", "kvtier/api/fingerprint.py")  # the parts using vLLM
 COMPLETE = ".complete"
 
 

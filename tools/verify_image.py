@@ -220,7 +220,7 @@ def _operator_without_cluster(image: str) -> None:
 def _plugin_payload(image: str) -> None:
     """The plug-in's own imports, with what vLLM's image lacks made unimportable."""
     found = podman(
-        "run", "--rm", "--entrypoint", "cat", image, "/opt/kvtier/plugin/kvtier/agent/vllm.py"
+        "run", "--rm", "--entrypoint", "cat", image, "/opt/kvtier/plugin/kvtier/vllm/tier.py"
     )
     check("plug-in payload at /opt/kvtier/plugin", found.returncode == 0)
     modules = sorted(
@@ -230,7 +230,7 @@ def _plugin_payload(image: str) -> None:
             if isinstance(node, ast.ImportFrom)
             and (node.module or "").startswith("kvtier")
             # the plug-in's own parts import vLLM itself, which only a vLLM image has
-            and not (node.module or "").startswith("kvtier.agent.vllm")
+            and not (node.module or "").startswith("kvtier.vllm")
         }
     )
     code = (

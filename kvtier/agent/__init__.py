@@ -1,5 +1,5 @@
-"""The kvtier node agent: the node's host-memory hub for KV chunks.
+"""The node agent: the process that owns a node's pool and its tiers (docs/architecture.md).
 
-Importing this package must stay cheap and free of heavy dependencies, because the vLLM
-plug-in imports `kvtier.client.connection` from inside vLLM's own environment.
+Nothing here runs inside vLLM, except `vllm.py`, the plug-in's old module path, which is why
+importing this package must stay free of anything but the standard library.
 """

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 PAGE = 4096
 SUPERBLOCK_BYTES = PAGE
 SLOT_HEADER_BYTES = PAGE
+# The longest namespace and key a slot's header (and so the agent's protocol) carries.
+MAX_NAMESPACE_BYTES = 256
+MAX_KEY_BYTES = 1024
 POOL_MAGIC = b"KVTPOOL1"
 POOL_VERSION = 2  # 2: slot generations
 STAMP_OFFSET = SLOT_HEADER_BYTES - 8

@@ -3,7 +3,7 @@
 The operator's webhook injects exactly this JSON into selected pods; users without the
 operator print it with `kvtier vllm-config`. vLLM keeps its own per-engine host buffer
 (`cpu_bytes_to_use`) as the primary tier and calls the agent, through
-`kvtier.agent.vllm.KVTierSecondaryTier`, for everything behind it.
+`kvtier.vllm.tier.KVTierSecondaryTier`, for everything behind it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from kvtier.api.config import AgentConfig
 
-PLUGIN_MODULE = "kvtier.agent.vllm"
+PLUGIN_MODULE = "kvtier.vllm.tier"
 PLUGIN_CLASS = "KVTierSecondaryTier"
 
 

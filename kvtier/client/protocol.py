@@ -24,8 +24,8 @@ from typing import Annotated
 
 import msgspec
 
+from kvtier.api.pool_layout import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES
 from kvtier.api.stats import AgentStats
-from kvtier.shm.chunk import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES
 
 # 2: connection-bound clients, lease generations, error codes
 # 3: the published index (clients answer pool lookups themselves) and Looked reports; the

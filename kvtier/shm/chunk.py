@@ -13,15 +13,12 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.api.pool_layout import SLOT_HEADER_BYTES
+from kvtier.api.pool_layout import MAX_KEY_BYTES, MAX_NAMESPACE_BYTES, SLOT_HEADER_BYTES
 
 CHUNK_MAGIC = b"KVTC"
 CHUNK_VERSION = 1
 _FIXED = struct.Struct("<4sHBxQQHH")  # magic, version, state, length, checksum, ns len, key len
 HEADER_BYTES = SLOT_HEADER_BYTES
-# The longest namespace and key a header (and so the agent's protocol) carries.
-MAX_NAMESPACE_BYTES = 256
-MAX_KEY_BYTES = 1024
 
 
 class SlotState(enum.IntEnum):

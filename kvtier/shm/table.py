@@ -58,12 +58,12 @@ import numpy.typing as npt
 
 from kvtier.api.pool_layout import (
     INDEX_SPARE,
+    MAX_KEY_BYTES,
     PAGE,
     index_array_bytes,
     index_capacity,
     index_file_bytes,
 )
-from kvtier.shm.chunk import MAX_KEY_BYTES
 from kvtier.shm.files import new_file
 
 MAGIC = b"KVTSHIX1"

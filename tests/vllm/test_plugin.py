@@ -11,12 +11,12 @@ import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, Medium
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-from kvtier.agent.vllm import KVTierSecondaryTier
 from kvtier.api.config import AgentConfig
 from kvtier.api.fingerprint import differing_components
 from kvtier.bench.vllm_scheduler import ROW, Engine, chunk_key, chunk_row
 from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess
+from kvtier.vllm.tier import KVTierSecondaryTier
 from tests.vllm.conftest import engine_of
 
 HIT, MISS, RETRY, PENDING = (

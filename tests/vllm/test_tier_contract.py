@@ -36,8 +36,6 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvtier.agent import vllm as plugin
-from kvtier.agent.vllm import KVTierSecondaryTier
 from kvtier.api.config import AgentConfig
 from kvtier.bench.vllm_scheduler import (
     ROW,
@@ -49,6 +47,8 @@ from kvtier.bench.vllm_scheduler import (
 )
 from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess
+from kvtier.vllm import tier as plugin
+from kvtier.vllm.tier import KVTierSecondaryTier
 from tests.vllm.conftest import engine_of
 
 HIT, MISS, RETRY, PENDING = (

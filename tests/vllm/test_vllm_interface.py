@@ -23,12 +23,12 @@ from kvtier.api.transfer_config import build_kv_transfer_config
 
 REPO = Path(__file__).resolve().parents[2]
 INTERFACE = Path(os.environ.get("KVTIER_VLLM_INTERFACE", REPO / ".venv-vllm" / "vllm-interface"))
-PLUGIN = REPO / "kvtier" / "agent" / "vllm.py"
-FINGERPRINT = REPO / "kvtier" / "agent" / "fingerprint.py"
+PLUGIN = REPO / "kvtier" / "vllm" / "tier.py"
+FINGERPRINT = REPO / "kvtier" / "api" / "fingerprint.py"
 # every module of the plug-in that imports vLLM: vllm.py and its parts, and the fingerprint
 VLLM_USERS = [
     path
-    for path in [*sorted(PLUGIN.parent.glob("vllm*.py")), FINGERPRINT]
+    for path in [*sorted(PLUGIN.parent.glob("*.py")), FINGERPRINT]
     if "from vllm" in path.read_text() or "import vllm" in path.read_text()
 ]
 
@@ -149,7 +149,7 @@ def test_constructor_accepts_what_the_factory_and_the_injected_config_pass(
 
 def test_every_part_of_the_plugin_that_uses_vllm_is_checked() -> None:
     names = {path.name for path in VLLM_USERS}
-    assert {"vllm.py", "vllm_events.py", "vllm_metrics.py", "fingerprint.py"} <= names
+    assert {"tier.py", "events.py", "metrics.py", "fingerprint.py"} <= names
 
 
 @pytest.mark.parametrize("source", VLLM_USERS, ids=lambda p: p.name)
@@ -248,7 +248,7 @@ def test_offloading_config_has_the_fields_the_fingerprint_reads() -> None:
 
 def test_kv_events_have_the_residency_fields_the_plugin_sets() -> None:
     """The plug-in's events name the tier's medium and locality and, where vLLM has the
-    field (`hasattr`-style guard in vllm_events.py), the node as `ownership`: 0.33's
+    field (`hasattr`-style guard in kvtier/vllm/events.py), the node as `ownership`: 0.33's
     OffloadingEvent has all three, and its Medium and Locality the values the agent sends."""
     base = vllm_source("vllm.v1.kv_offload.base")
     fields = dataclass_fields("vllm.v1.kv_offload.base", "OffloadingEvent")
@@ -267,5 +267,5 @@ def test_kv_events_have_the_residency_fields_the_plugin_sets() -> None:
 
     assert {r.medium for r in [POOL, *RESIDENCY_OF_KIND.values()]} <= members("Medium")
     assert {r.locality for r in [POOL, *RESIDENCY_OF_KIND.values()]} <= members("Locality")
-    source = (PLUGIN.parent / "vllm_events.py").read_text()
+    source = (PLUGIN.parent / "events.py").read_text()
     assert '"ownership"' in source and "HAS_OWNERSHIP" in source

@@ -30,9 +30,9 @@ from typing import Any
 
 import pytest
 
-from kvtier.agent.vllm import KVTierSecondaryTier
 from kvtier.api.config import parse_config
 from kvtier.local_agent import AgentProcess
+from kvtier.vllm.tier import KVTierSecondaryTier
 from tests.conftest import AGENT_PYTHON, config_data
 
 REPO = Path(__file__).resolve().parents[2]

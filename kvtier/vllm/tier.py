@@ -1,0 +1,459 @@
+"""kvtier as a secondary tier of vLLM's tiered KV offloading.
+
+vLLM loads this module inside its scheduler process from the `--kv-transfer-config`
+(`"type": "KVTierSecondaryTier", "module_path": "kvtier.vllm.tier"`). Everything here runs
+in vLLM's own environment and imports only what vLLM already has (numpy, pyzmq, msgspec).
+
+Nothing blocks the scheduler: a key the node's pool holds is a HIT in the same scheduler step,
+found in the index the agent publishes in shared memory (and so is a MISS when the agent has
+no secondary tiers); the keys looked up that way reach the agent once per step in one one-way
+report. Other lookups are batched into one agent round trip per scheduler step on vLLM's
+async-lookup thread (answering RETRY until the batch returns), and stores (into the agent's
+staging area) and loads (out of the pool) copy rows of vLLM's primary host buffer on worker
+threads (`jobs.py`), reporting through `get_finished_jobs`. An agent that is unreachable or
+restarting turns lookups into misses and stores into dropped jobs, counted and logged once
+per outage. A key whose load failed is a miss from the moment `get_finished_jobs` reports
+the failure: for the rest of every request that asks for it within `FAILED_LOAD_SECONDS`,
+and for any request in that time, so vLLM never issues the failed promotion again.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvtier.api.fingerprint import describe, engine_fingerprint, with_hash_seed
+from kvtier.client.connection import AgentClient, AgentRefused, AgentUnavailable
+from kvtier.shm.table import digest
+from kvtier.vllm.chains import PrefixChains
+from kvtier.vllm.events import EventFeed
+from kvtier.vllm.jobs import JobRunner
+from kvtier.vllm.metrics import Metrics, Observations, metric_definitions
+
+# A child of vLLM's own logger: vLLM configures only "vllm" (its handler, format and
+# VLLM_LOGGING_LEVEL), so this is how the plug-in's lines reach a vLLM user's output.
+log = logging.getLogger("vllm.kvtier")
+
+FAILED_LOAD_SECONDS = 5.0  # a key whose load failed is a miss this long (no retry livelock)
+
+
+@dataclass
+class _FailedLoad:
+    """A key whose load failed: a miss until `until` for every request, and for as long as
+    they live for the requests that were told so (the one whose load failed included)."""
+
+    until: float
+    requests: set[str] = field(default_factory=set)
+
+    def holds(self, req_id: str, now: float) -> bool:
+        if req_id in self.requests:
+            return True
+        if now < self.until:
+            self.requests.add(req_id)  # this request keeps the miss it was given
+            return True
+        return False
+
+
+def engine_publishes_events(offloading_spec: Any) -> bool:
+    """vLLM's engine-wide switch (`--kv-events-config` enable_kv_cache_events): without it
+    nothing drains `take_events`, so a tier must stay inert whatever its own flag says."""
+    events_config = getattr(offloading_spec, "kv_events_config", None)
+    if events_config is None:  # a spec without it: the offloading config carries the flag
+        events_config = getattr(offloading_spec, "config", None)
+    return getattr(events_config, "enable_kv_cache_events", False) is True
+
+
+def engine_vllm_config(model: str) -> Any | None:
+    """The VllmConfig of the engine creating this tier, or None.
+
+    vLLM hands a tier only its normalised OffloadingConfig, which names the model but not
+    the config vLLM resolved for it (hf_overrides applied) nor where its weights are. The
+    tier is created inside the offloading connector's scheduler constructor, whose
+    `vllm_config` argument is on the stack; vLLM's current config, when one is set, is the
+    other place to find it. A config for another model is never taken.
+    """
+    from vllm import config as vllm_config_module
+
+    candidates = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidates.append(frame.f_locals.get("vllm_config"))
+        frame = frame.f_back  # type: ignore[assignment]
+    current = getattr(vllm_config_module, "get_current_vllm_config_or_none", None)
+    if current is not None:
+        candidates.append(current())
+    for candidate in candidates:
+        if (
+            isinstance(candidate, vllm_config_module.VllmConfig)
+            and getattr(candidate.model_config, "model", None) == model
+        ):
+            return candidate
+    return None
+
+
+SOURCE_PARAM = "kvtier_source"
+
+
+def source_of(req_context: Any) -> str:
+    """Direct mode: the request's kv_transfer_params may name the peer endpoint of the agent
+    that holds its chunks (the prefill side in P/D), which is then asked directly."""
+    params = getattr(req_context, "kv_transfer_params", None) or {}
+    return str(params.get(SOURCE_PARAM) or "")
+
+
+class _AgentLookup(AsyncLookupManager):
+    """vLLM's async-lookup helper: one batch per scheduler step, on its own thread."""
+
+    def __init__(self, tier: KVTierSecondaryTier) -> None:
+        super().__init__(tier_type=tier.tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return self._tier.agent_lookup(keys, source_of(req_context))
+
+
+class KVTierSecondaryTier(SecondaryTierManager):
+    """The node's kvtier agent as one secondary tier of vLLM's TieringOffloadingSpec."""
+
+    medium: ClassVar[Medium] = Medium.CPU
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions()
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        agent: str,
+        timeout_seconds: float = 2.0,
+        copy_threads: int = 4,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
+        scope: str | None = None,
+        backpressure_detector: Any = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        # The node's host memory is on the engine's node: LOCAL unless configured otherwise
+        # (vLLM's base class and its fs tier leave an unconfigured locality None).
+        self.locality = Locality(locality) if locality is not None else Locality.LOCAL
+        self._rows = np.asarray(primary_kv_view).view(np.uint8)
+        self._row_bytes = self._rows.shape[1]
+        self._client = AgentClient(agent, timeout=timeout_seconds)
+        self._jobs = JobRunner(copy_threads)
+        self._events: EventFeed | None = None
+        if enable_kv_events and engine_publishes_events(offloading_spec):
+            self._events = EventFeed(self.medium, self.locality)
+        elif enable_kv_events:
+            log.warning(
+                "kvtier tier %s: enable_kv_events is set but the engine publishes no KV "
+                "events (kv_events_config.enable_kv_cache_events is off); none are fetched",
+                tier_type,
+            )
+        self._observed = Observations()
+        self._chains = PrefixChains()  # each stored chunk's parent, for the prefix policy
+        self._vllm_config = engine_vllm_config(offloading_spec.config.model.name)
+        self._fingerprint = engine_fingerprint(
+            offloading_spec.config, self._vllm_config, self._row_bytes, scope
+        )
+        self._namespace: str | None = None
+        self._available: bool | None = None
+        self._refusals: set[str] = set()
+        self._connect_lock = threading.Lock()
+        self._lookup = _AgentLookup(self)
+        # Lookups answered from the published index this step, per request (reported once
+        # per step), and the keys each request already reported (each key once).
+        self._looked: dict[str, list[int]] = {}
+        self._reported: dict[str, set[OffloadKey]] = {}
+        # Load jobs in flight, and the keys whose load failed (both on vLLM's side only).
+        self._loads: dict[int, TransferJob] = {}
+        self._failed: dict[OffloadKey, _FailedLoad] = {}
+        self._shut_down = False
+        log.info("kvtier tier %s: agent %s, rows of %d bytes", tier_type, agent, self._row_bytes)
+        if self._vllm_config is None:
+            log.warning(
+                "kvtier: vLLM's model config for %s was not found; without it the weights "
+                "and config cannot be fingerprinted, so this engine shares no chunks",
+                offloading_spec.config.model.name,
+            )
+        log.info(
+            "kvtier fingerprint (the hash seed is added on the first request): %s",
+            describe(self._fingerprint),
+        )
+
+    # --- the agent connection (worker threads only) ---------------------------------------
+
+    @property
+    def namespace(self) -> str:
+        """Computed on first use: the hash seed exists only once the engine core runs."""
+        if self._namespace is None:
+            fingerprint = with_hash_seed(self._fingerprint, self._vllm_config)
+            self._namespace = fingerprint.namespace
+            log.info("kvtier namespace %s: %s", self._namespace, describe(fingerprint))
+        return self._namespace
+
+    def _connected(self) -> AgentClient:
+        with self._connect_lock:  # copy threads and the lookup thread share the client
+            if self._client.hello is None:
+                self._client.connect()
+                if self._client.slot_bytes < self._row_bytes:
+                    raise AgentRefused(
+                        f"agent slots hold {self._client.slot_bytes} bytes but vLLM rows are "
+                        f"{self._row_bytes}; set the KVCacheTier's chunk size "
+                        f"(host.chunkBytes) to at least {self._row_bytes}"
+                    )
+        return self._client
+
+    def _set_available(self, available: bool, reason: str = "") -> None:
+        if available != self._available:
+            if available:
+                log.info("kvtier agent %s is available", self._client.endpoint)
+            else:
+                log.warning(
+                    "kvtier agent %s unavailable, serving misses: %s", self._client.endpoint, reason
+                )
+            self._available = available
+        self._record("gauge", Metrics.AGENT_AVAILABLE, 1.0 if available else 0.0)
+
+    def agent_lookup(self, keys: list[OffloadKey], source: str = "") -> list[bool]:
+        try:
+            client = self._connected()
+            hits = client.lookup(self.namespace, [bytes(k) for k in keys], source).hits
+        except AgentUnavailable as exc:
+            self._client.disconnected()
+            self._set_available(False, str(exc))
+            return [False] * len(keys)
+        self._set_available(True)
+        self._record("counter", Metrics.LOOKUPS, len(keys))
+        self._record("counter", Metrics.HITS, sum(hits))
+        return hits
+
+    # --- SecondaryTierManager -------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        failed = self._failed.get(key)
+        if failed is not None and failed.holds(req_context.req_id, time.monotonic()):
+            return LookupResult.MISS
+        self._chains.note([bytes(key)], req_context)
+        local = self._local_lookup(key, req_context)
+        if local is not None:
+            return local
+        found = self._lookup.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def _local_lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult | None:
+        """HIT when the pool holds the key (and MISS when it does not and the agent has no
+        other tier), from the published index, in this scheduler step; None when only the
+        agent can say (no index yet, a source to ask, secondary tiers to look in)."""
+        hello = self._client.hello
+        if hello is None or source_of(req_context):
+            return None
+        key_digest = digest(self.namespace, bytes(key))
+        held = self._client.find(key_digest)
+        if held is None or (not held and hello.tiers):
+            return None
+        req_id = req_context.req_id
+        reported = self._reported.setdefault(req_id, set())
+        if key not in reported:
+            reported.add(key)
+            self._looked.setdefault(req_id, []).append(key_digest)
+            self._record("counter", Metrics.LOOKUPS, 1)
+            if held:
+                self._record("counter", Metrics.HITS, 1)
+        return LookupResult.HIT if held else LookupResult.MISS
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookup.cleanup(req_context.req_id)
+        self._reported.pop(req_context.req_id, None)
+        self._chains.forget(req_context.req_id)
+        for failed in self._failed.values():
+            failed.requests.discard(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        now = time.monotonic()
+        if self._failed:
+            self._failed = {k: f for k, f in self._failed.items() if f.requests or f.until > now}
+        self._lookup.flush()
+        self._report_lookups()
+        if self._events is not None and self._events.due(now):
+            self._events.polling(self._jobs.run_soon(self._poll_events))
+
+    def _report_lookups(self) -> None:
+        """The lookups answered here this step, one request each, to the agent: one
+        one-way message (it counts them, refreshes recency, logs the requests)."""
+        looked, self._looked = self._looked, {}
+        if looked and self._namespace is not None:
+            for digests in looked.values():
+                self._client.report(self._namespace, np.array(digests, np.uint64))
+        self._client.flush_reports(block=False)  # and the bytes loaded without a lease
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._jobs.submit(lambda: self._run_job(self._store, job_metadata))
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._loads[job_metadata.job_id] = job_metadata
+        self._jobs.submit(lambda: self._run_job(self._load, job_metadata))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """The jobs finished since last asked. A failed load's keys (all of them, or those
+        not among its `successful_keys`) are misses from here on, before vLLM sees the
+        failure: its next lookup must not answer HIT for a promotion that just failed."""
+        results: list[JobResult] = self._jobs.finished()
+        now = time.monotonic()
+        for result in results:
+            job = self._loads.pop(result.job_id, None)
+            if job is None or result.success:
+                continue
+            arrived = set(result.successful_keys or ())
+            for key in job.keys:
+                if key not in arrived:
+                    failed = self._failed.get(key) or _FailedLoad(0.0)
+                    failed.until = now + FAILED_LOAD_SECONDS
+                    failed.requests.add(job.req_context.req_id)
+                    self._failed[key] = failed
+        return results
+
+    def has_pending_work(self) -> bool:
+        return self._jobs.pending()
+
+    def drain_jobs(self) -> None:
+        """Wait for every copy in flight; none is ever cut short."""
+        self._jobs.drain()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return self._events.take() if self._events is not None else []
+
+    def get_stats(self) -> Any:
+        return self._observed.stats()
+
+    def shutdown(self) -> None:
+        """Idempotent: vLLM may shut a tier down twice, and an error here would keep it from
+        shutting down its primary tier (whose shared-memory buffer then stays mapped)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self.drain_jobs()
+        poll = self._events.running() if self._events is not None else None
+        if poll is not None:
+            wait_futures([poll])
+        self._jobs.shutdown()
+        self._lookup.shutdown()
+        self._client.close()
+        # vLLM can only unmap its buffer once no view of it is left
+        self._rows = np.empty((0, self._row_bytes), np.uint8)
+
+    # --- jobs (worker threads) ------------------------------------------------------------
+
+    def _run_job(self, work: Any, job: TransferJob) -> None:
+        """Every job ends with a result, whatever happens: vLLM waits for it."""
+        try:
+            work(job)
+        except Exception as exc:
+            log.exception("kvtier job %s failed unexpectedly", job.job_id)
+            self._job_failed(job, "load" if job.is_promotion else "store", exc)
+
+    def _store(self, job: TransferJob) -> None:
+        started = time.perf_counter()
+        keys = [bytes(k) for k in job.keys]
+        try:
+            client = self._connected()
+            try:
+                parents = self._chains.parents(keys, job.req_context)
+            except Exception:  # only an eviction hint: never a reason to fail the store
+                log.debug("kvtier: no parents for store job %s", job.job_id, exc_info=True)
+                parents = None
+            rows = [self._rows[int(chunk)] for chunk in job.chunk_ids]
+            # into the agent's staging area; it copies them into the pool and seals them
+            result = client.store(self.namespace, keys, rows, parents)
+        except AgentUnavailable as exc:
+            self._job_failed(job, "store", exc)
+            return
+        self._set_available(True)
+        seconds = time.perf_counter() - started
+        nbytes = result.stored * self._row_bytes
+        self._record("counter", Metrics.STORE_BYTES, nbytes)
+        self._record("histogram", Metrics.STORE_SECONDS, seconds)
+        self._jobs.finish(JobResult(job.job_id, True, None, seconds, nbytes))
+
+    def _load(self, job: TransferJob) -> None:
+        started = time.perf_counter()
+        keys = list(job.keys)
+        try:
+            client = self._connected()
+            # pool hits straight from the read-only pool (no lease); others via the agent
+            done = client.load_into(
+                self.namespace,
+                [bytes(k) for k in keys],
+                [self._rows[int(chunk)] for chunk in job.chunk_ids],
+                source_of(job.req_context),
+            )
+        except AgentUnavailable as exc:
+            self._job_failed(job, "load", exc)
+            return
+        self._set_available(True)
+        # A chunk evicted, or its slot given to another chunk, during the copy is not loaded.
+        loaded = [k for k, ok in zip(keys, done, strict=True) if ok]
+        seconds = time.perf_counter() - started
+        nbytes = len(loaded) * self._row_bytes
+        self._record("counter", Metrics.LOAD_BYTES, nbytes)
+        self._record("histogram", Metrics.LOAD_SECONDS, seconds)
+        if len(loaded) == len(keys):
+            self._jobs.finish(JobResult(job.job_id, True, None, seconds, nbytes))
+            return
+        # Evicted between lookup and load: keep what arrived, recompute the rest.
+        self._record("counter", Metrics.FAILED_JOBS, 1, ("load",))
+        self._jobs.finish(JobResult(job.job_id, False, tuple(loaded) or None, seconds, nbytes))
+
+    def _poll_events(self) -> None:
+        """What the agent stored or evicted in this namespace, as vLLM KV events."""
+        assert self._events is not None
+        try:
+            self._events.poll(self._connected(), self.namespace)
+        except AgentUnavailable:
+            return
+
+    def _job_failed(self, job: TransferJob, op: str, exc: Exception) -> None:
+        if isinstance(exc, AgentRefused):
+            if str(exc) not in self._refusals:  # a configuration error: say it once
+                self._refusals.add(str(exc))
+                log.error("kvtier agent refused a %s: %s", op, exc)
+        else:
+            self._client.disconnected()
+            self._set_available(False, str(exc))
+        self._record("counter", Metrics.FAILED_JOBS, 1, (op,))
+        self._jobs.finish(JobResult(job.job_id, False))
+
+    def _record(self, kind: str, name: str, value: float, labels: tuple[str, ...] = ()) -> None:
+        self._observed.record(kind, name, value, labels)
+
+
+__all__ = ["KVTierSecondaryTier", "engine_vllm_config"]
