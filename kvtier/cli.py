@@ -19,7 +19,7 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def _peer_keys(args: argparse.Namespace) -> int:
-    from kvtier.agent.tiers.peer_wire import write_keys
+    from kvtier.agent.tiers.peer.wire import write_keys
 
     if (args.directory / "secret.key").exists():
         print(f"{args.directory}/secret.key exists; not overwriting it", file=sys.stderr)

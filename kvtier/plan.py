@@ -387,7 +387,7 @@ def main(args: Any) -> int:
     """Entry point of `kvtier plan` (flags parsed in kvtier.cli)."""
     from rich.console import Console
 
-    from kvtier.agent.policy import POLICIES
+    from kvtier.agent.host.policy import POLICIES
 
     err = Console(stderr=True)
     policy = args.policy or default_policy()

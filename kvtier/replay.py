@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from kvtier.agent.index import HostIndex
-from kvtier.agent.policy import POLICIES, ChunkId, EvictionPolicy, make_policy
+from kvtier.agent.host.index import HostIndex
+from kvtier.agent.host.policy import POLICIES, ChunkId, EvictionPolicy, make_policy
 from kvtier.api.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:

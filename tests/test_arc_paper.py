@@ -9,8 +9,8 @@ from collections import OrderedDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.agent.index import HostIndex
-from kvtier.agent.policy import ARCPolicy
+from kvtier.agent.host.index import HostIndex
+from kvtier.agent.host.policy import ARCPolicy
 
 NS = "ns"
 

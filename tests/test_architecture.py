@@ -246,7 +246,7 @@ def test_the_test_import_check_allows_helper_modules() -> None:
     assert imported_test_modules(source) == []
 
 
-HOST_TIER = "kvtier.agent.host_tier"
+HOST_TIER = "kvtier.agent.host.tier"
 HOST_INTERNALS = {"lock", "index", "_lock", "_index", "_on_sealed", "_on_hits", "on_sealed"}
 
 

@@ -15,9 +15,9 @@ import msgspec
 import pytest
 import zmq
 
-from kvtier.agent.event_stream import KVEventBatch, split_key, to_kv_events
-from kvtier.agent.events import STORAGE
-from kvtier.agent.tiers.peer_wire import load_keys, write_keys
+from kvtier.agent.host.events import STORAGE
+from kvtier.agent.report.event_stream import KVEventBatch, split_key, to_kv_events
+from kvtier.agent.tiers.peer.wire import load_keys, write_keys
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess

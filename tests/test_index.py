@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.agent.index import HostIndex, LeaseError
-from kvtier.agent.index_slots import KEY_WIDTH, SlotMap
-from kvtier.agent.policy import make_policy
+from kvtier.agent.host.index import HostIndex, LeaseError
+from kvtier.agent.host.policy import make_policy
+from kvtier.agent.host.slots import KEY_WIDTH, SlotMap
 from kvtier.bench.host import agent_index_bytes
 from kvtier.client.protocol import StoreCode, Where
 from kvtier.shm.table import TableWriter, digests
@@ -120,7 +120,7 @@ def test_events_record_stores_and_evictions_per_namespace(index: HostIndex) -> N
 
 
 def test_event_log_is_bounded_and_says_when_a_reader_fell_behind() -> None:
-    from kvtier.agent.events import ChunkEvents
+    from kvtier.agent.host.events import ChunkEvents
 
     events = ChunkEvents(per_namespace=3)
     for i in range(5):
@@ -252,8 +252,8 @@ def test_index_agrees_with_a_dict_under_colliding_digests(ops: list[tuple[str, i
     index = HostIndex(4, make_policy("lru", 4))
     model: OrderedDict[tuple[str, bytes], None] = OrderedDict()
     with (
-        mock.patch("kvtier.agent.index_slots.digests", _two_digests),
-        mock.patch("kvtier.agent.index_slots.key_field", _one_long_field),
+        mock.patch("kvtier.agent.host.slots.digests", _two_digests),
+        mock.patch("kvtier.agent.host.slots.key_field", _one_long_field),
     ):
         for op, i in ops:
             namespace, key = chunk = KEYS[i]

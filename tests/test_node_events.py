@@ -12,15 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.agent.events import (
+from kvtier.agent.host.events import (
     ALL_NAMESPACES,
     POOL,
     STORAGE,
     ChunkEvents,
     NodeEvents,
 )
-from kvtier.agent.tiers import CorruptChunk
-from kvtier.agent.tiers.base import namespace_dir
+from kvtier.agent.tiers.base import CorruptChunk, namespace_dir
 from kvtier.agent.tiers.filesystem import FilesystemTier
 from kvtier.agent.tiers.objectstore import ObjectStoreTier
 from kvtier.api.config import AgentConfig, FilesystemTierConfig, ObjectStoreTierConfig

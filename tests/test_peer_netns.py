@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.agent.tiers.nixl_path import available
-from kvtier.agent.tiers.peer_wire import write_keys
+from kvtier.agent.tiers.peer.wire import write_keys
 from kvtier.api.config import AgentConfig
 from kvtier.bench.peers import UCX_BETWEEN_HOSTS
 from kvtier.client.connection import AgentClient

@@ -24,7 +24,7 @@ import pytest
 import zmq
 
 from kvtier.agent.tiers.nixl_path import available
-from kvtier.agent.tiers.peer_wire import (
+from kvtier.agent.tiers.peer.wire import (
     RID,
     Announce,
     Answer,

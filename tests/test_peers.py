@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.agent.tiers.peer_directory import home_of
-from kvtier.agent.tiers.peer_wire import write_keys
+from kvtier.agent.tiers.peer.directory import home_of
+from kvtier.agent.tiers.peer.wire import write_keys
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient
 from kvtier.local_agent import AgentProcess

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.agent.index import HostIndex
-from kvtier.agent.policy import ARCPolicy, LRUPolicy, make_policy
+from kvtier.agent.host.index import HostIndex
+from kvtier.agent.host.policy import ARCPolicy, LRUPolicy, make_policy
 
 
 def always(_chunk: object) -> bool:
@@ -155,7 +155,7 @@ def test_lru_with_every_leaf_pinned_evicts_an_inner_chunk_and_orphans_its_childr
 
 
 def test_adaptive_follows_one_candidate_and_keeps_the_others_in_step() -> None:
-    from kvtier.agent.policy import AdaptivePolicy
+    from kvtier.agent.host.policy import AdaptivePolicy
 
     policy = AdaptivePolicy(4)
     for k in "abcdefgh":
@@ -173,7 +173,7 @@ def test_adaptive_follows_one_candidate_and_keeps_the_others_in_step() -> None:
 def test_lru_counts_children_past_sixteen_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A head with more children than its 16-bit count holds stays a non-leaf until the
     last of them leaves."""
-    from kvtier.agent.policy import lru
+    from kvtier.agent.host.policy import lru
 
     monkeypatch.setattr(lru, "KIDS_MAX", 2)
     policy = lru.LRUPolicy(8)

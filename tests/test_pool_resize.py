@@ -1,4 +1,4 @@
-"""The pool resized in place (kvtier/agent/pool_resize.py): what a new host.capacity does to
+"""The pool resized in place (kvtier/agent/host/resize.py): what a new host.capacity does to
 the pool file a restarted agent finds. Growing keeps every chunk; shrinking moves the chunks
 of the slots that go into free slots that stay, keeps what fits, and cuts the file's tail
 only when told (`trim`), since clients of the earlier agent may still map it; a compaction
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.agent.pool_resize import Opened, open_pool
+from kvtier.agent.host.resize import Opened, open_pool
 from kvtier.api.pool_layout import PoolGeometry
 from kvtier.shm.chunk import ChunkHeader, SlotState, checksum
 from kvtier.shm.pool import POOL_MODE, PoolMap, create, trim
@@ -76,7 +76,7 @@ def test_a_compaction_run_again_moves_nothing_twice(tmp_path: Path) -> None:
     """A shrink stopped before its superblock was written (the agent killed) is done again
     from the start; the chunks moved the first time are not moved a second time."""
     path = _pool(tmp_path, 16, [12, 13, 14, 15])
-    from kvtier.agent import pool_resize
+    from kvtier.agent.host import resize as pool_resize
 
     pool_resize._compact(path, PoolGeometry(PAYLOAD, 16), 8)  # moved, superblock still old
     pool, how = open_pool(path, PoolGeometry(PAYLOAD, 8), populate=False)

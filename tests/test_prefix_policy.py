@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.agent.index import HostIndex
-from kvtier.agent.policy import ARCPolicy, PrefixPolicy, make_policy
-from kvtier.agent.policy.prefix import _class
+from kvtier.agent.host.index import HostIndex
+from kvtier.agent.host.policy import ARCPolicy, PrefixPolicy, make_policy
+from kvtier.agent.host.policy.prefix import _class
 from kvtier.api.config import AgentConfig
 from kvtier.client import protocol as p
 from kvtier.client.connection import AgentClient, AgentRefused

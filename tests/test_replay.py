@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.agent.index import HostIndex
+from kvtier.agent.host.index import HostIndex
 from kvtier.cli import main
 from kvtier.client.protocol import StoreCode
 from kvtier.replay import BeladyPolicy, Budget, budgets, load_trace, replay, run

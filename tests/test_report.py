@@ -14,8 +14,8 @@ import pytest
 from msgspec.structs import replace
 
 from kvtier import polling
-from kvtier.agent.registry import FileRegistry, KubernetesRegistry
-from kvtier.agent.report import Reporter
+from kvtier.agent.report.publisher import Reporter
+from kvtier.agent.report.registry import FileRegistry, KubernetesRegistry
 from kvtier.api.config import ReportConfig
 from kvtier.api.node_status import NodeStatus, build_report, read_node_status
 from tests.kube_api import KubeAPI

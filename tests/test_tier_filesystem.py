@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.agent.tiers import CorruptChunk
+from kvtier.agent.tiers.base import CorruptChunk
 from kvtier.agent.tiers.filesystem import QUARANTINE, FilesystemTier
 from kvtier.api.config import FilesystemTierConfig
 from kvtier.shm.chunk import ChunkHeader, checksum

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from botocore.exceptions import BotoCoreError
 
-from kvtier.agent.tiers import CorruptChunk
+from kvtier.agent.tiers.base import CorruptChunk
 from kvtier.agent.tiers.objectstore import ObjectStoreTier
 from kvtier.api.config import ObjectStoreTierConfig
 from kvtier.shm.chunk import ChunkHeader, checksum

@@ -33,15 +33,15 @@ import zmq
 
 import kvtier
 from kvtier.agent.access_log import AccessLog
-from kvtier.agent.events import NodeEvents
-from kvtier.agent.host_tier import HostTier
-from kvtier.agent.index import LeaseError
-from kvtier.agent.metrics import AgentMetrics
-from kvtier.agent.registry import make_registry
-from kvtier.agent.report import Reporter
+from kvtier.agent.host.events import NodeEvents
+from kvtier.agent.host.index import LeaseError
+from kvtier.agent.host.tier import HostTier
+from kvtier.agent.report.metrics import AgentMetrics
+from kvtier.agent.report.publisher import Reporter
+from kvtier.agent.report.registry import make_registry
 from kvtier.agent.runtime_checks import check_runtime
-from kvtier.agent.secondary import SecondaryTiers
-from kvtier.agent.tiers import TierContext
+from kvtier.agent.tiers.chain import SecondaryTiers
+from kvtier.agent.tiers.factory import TierContext
 from kvtier.api.config import AgentConfig
 from kvtier.api.stats import AgentStats
 from kvtier.client import protocol as p
@@ -50,7 +50,7 @@ from kvtier.client.protocol import Where
 from kvtier.shm.table import digests
 
 if TYPE_CHECKING:
-    from kvtier.agent.event_stream import EventStream
+    from kvtier.agent.report.event_stream import EventStream
 
 log = logging.getLogger("kvtier.agent")
 
@@ -100,7 +100,7 @@ class Agent:
         self.peer_tier = self.tiers.peer() if self.tiers is not None else None
         self.event_stream: EventStream | None = None
         if config.events.enabled:
-            from kvtier.agent.event_stream import EventStream
+            from kvtier.agent.report.event_stream import EventStream
 
             self.event_stream = EventStream(config.events, self.events, self.pump_events)
         self.clients = ClientRegistry(config.run_dir / "clients")

@@ -33,7 +33,7 @@ from kvtier.local_agent import AgentProcess, scratch_config
 from kvtier.shm.pool import Bytes
 
 if TYPE_CHECKING:
-    from kvtier.agent.index import HostIndex
+    from kvtier.agent.host.index import HostIndex
 
 NS = "bench"
 BATCH_BYTES = 64 << 20  # rows per call: an 8k-token prompt of 256-token chunks at 2 MiB
@@ -292,9 +292,9 @@ def agent_index_bytes(policy: str, chunks: int) -> float:
     """
     import tracemalloc
 
-    from kvtier.agent.events import ChunkEvents
-    from kvtier.agent.index import HostIndex
-    from kvtier.agent.policy import make_policy
+    from kvtier.agent.host.events import ChunkEvents
+    from kvtier.agent.host.index import HostIndex
+    from kvtier.agent.host.policy import make_policy
 
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -310,8 +310,8 @@ def agent_index_rates(chunks: int, batch: int) -> dict[str, float]:
     """Keys per second the agent's own index (LRU) answers holding `chunks` chunks, in
     batches of `batch` keys, half of them held: looked up by key (requests over the socket)
     and by digest (lookups clients answered from the published table and report)."""
-    from kvtier.agent.index import HostIndex
-    from kvtier.agent.policy import make_policy
+    from kvtier.agent.host.index import HostIndex
+    from kvtier.agent.host.policy import make_policy
     from kvtier.shm.table import TableWriter, digests
 
     directory = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
@@ -354,7 +354,7 @@ def event_log_bytes(events: int) -> float:
     consumers), keys included, for up to its 65,536 events per namespace."""
     import tracemalloc
 
-    from kvtier.agent.events import ChunkEvents
+    from kvtier.agent.host.events import ChunkEvents
 
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]

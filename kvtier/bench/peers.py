@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.agent.tiers.nixl_path import available
-from kvtier.agent.tiers.peer_wire import write_keys
+from kvtier.agent.tiers.peer.wire import write_keys
 from kvtier.api.config import AgentConfig
 from kvtier.api.pool_layout import PAGE
 from kvtier.api.stats import PeerCounts

@@ -263,7 +263,7 @@ def test_kv_events_have_the_residency_fields_the_plugin_sets() -> None:
             if isinstance(t, ast.Name)
         }
 
-    from kvtier.agent.events import POOL, RESIDENCY_OF_KIND
+    from kvtier.agent.host.events import POOL, RESIDENCY_OF_KIND
 
     assert {r.medium for r in [POOL, *RESIDENCY_OF_KIND.values()]} <= members("Medium")
     assert {r.locality for r in [POOL, *RESIDENCY_OF_KIND.values()]} <= members("Locality")

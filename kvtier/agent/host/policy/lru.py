@@ -29,7 +29,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvtier.agent.policy.base import ChunkId, EvictionPolicy
+from kvtier.agent.host.policy.base import ChunkId, EvictionPolicy
 
 KIDS_MAX = 0xFFFF
 

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.agent.policy.base import ChunkId, EvictionPolicy
+from kvtier.agent.host.policy.base import ChunkId, EvictionPolicy
 
 _List = OrderedDict[ChunkId, None]
 _NONE: frozenset[ChunkId] = frozenset()

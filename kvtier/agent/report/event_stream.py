@@ -39,12 +39,12 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvtier.agent.events import NodeEvent, NodeEvents, Residency
-from kvtier.agent.tiers.peer_wire import TrustedKeys, bind_on_pod_address, load_keys
+from kvtier.agent.host.events import NodeEvent, NodeEvents, Residency
+from kvtier.agent.tiers.peer.wire import TrustedKeys, bind_on_pod_address, load_keys
 from kvtier.api.config import EventStreamConfig
 from kvtier.api.stats import EventStreamStats
 
-log = logging.getLogger("kvtier.agent.events")
+log = logging.getLogger("kvtier.agent.host.events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _HASH_MASK = (1 << 64) - 1
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import datetime as dt
 import time
 
-from kvtier.agent.registry import Member, Registry
-from kvtier.agent.tiers.peer_wire import KeyRing
+from kvtier.agent.report.registry import Member, Registry
+from kvtier.agent.tiers.peer.wire import KeyRing
 
 
 class Membership:

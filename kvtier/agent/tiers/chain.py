@@ -30,20 +30,21 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvtier.agent.events import RESIDENCY_OF_KIND, NodeEvents
-from kvtier.agent.host_tier import HostTier
-from kvtier.agent.index import Entry
-from kvtier.agent.metrics import AgentMetrics
-from kvtier.agent.tiers import CorruptChunk, SecondaryTier, TierContext, build_tier
+from kvtier.agent.host.events import RESIDENCY_OF_KIND, NodeEvents
+from kvtier.agent.host.index import Entry
+from kvtier.agent.host.tier import HostTier
+from kvtier.agent.report.metrics import AgentMetrics
+from kvtier.agent.tiers.base import CorruptChunk, SecondaryTier
+from kvtier.agent.tiers.factory import TierContext, build_tier
 from kvtier.api.config import TierConfig
 from kvtier.api.stats import Tally, TierCount, TierCounts, TierStats
 from kvtier.client.protocol import Where
 from kvtier.shm.chunk import ChunkHeader
 
 if TYPE_CHECKING:
-    from kvtier.agent.tiers.peer import PeerTier
+    from kvtier.agent.tiers.peer.tier import PeerTier
 
-log = logging.getLogger("kvtier.agent.secondary")
+log = logging.getLogger("kvtier.agent.tiers.chain")
 
 FAILURES_TO_UNHEALTHY = 3
 
@@ -137,7 +138,7 @@ class SecondaryTiers:
 
     def peer(self) -> PeerTier | None:
         """The peer tier, which also answers the agent's `kvtier_source` requests."""
-        from kvtier.agent.tiers.peer import PeerTier
+        from kvtier.agent.tiers.peer.tier import PeerTier
 
         return next((t.backend for t in self.tiers if isinstance(t.backend, PeerTier)), None)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from kvtier.agent.tiers.peer_wire import (
+from kvtier.agent.tiers.peer.wire import (
     RID,
     Answer,
     Fetch,

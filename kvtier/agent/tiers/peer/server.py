@@ -19,10 +19,10 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvtier.agent.host_tier import LENDER, HostTier
+from kvtier.agent.host.tier import LENDER, HostTier
 from kvtier.agent.tiers.nixl_path import NixlPath, available
-from kvtier.agent.tiers.peer_directory import Directory
-from kvtier.agent.tiers.peer_wire import (
+from kvtier.agent.tiers.peer.directory import Directory
+from kvtier.agent.tiers.peer.wire import (
     Announce,
     Answer,
     Damaged,

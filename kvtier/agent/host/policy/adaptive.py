@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.agent.policy.arc import ARCPolicy
-from kvtier.agent.policy.base import ChunkId, EvictionPolicy
-from kvtier.agent.policy.prefix import PrefixPolicy
+from kvtier.agent.host.policy.arc import ARCPolicy
+from kvtier.agent.host.policy.base import ChunkId, EvictionPolicy
+from kvtier.agent.host.policy.prefix import PrefixPolicy
 
 SHADOW_CHUNKS = 4096
 MARGIN = 1.003

@@ -56,8 +56,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.agent.policy.arc import ARCPolicy
-from kvtier.agent.policy.base import ChunkId, EvictionPolicy
+from kvtier.agent.host.policy.arc import ARCPolicy
+from kvtier.agent.host.policy.base import ChunkId, EvictionPolicy
 
 HISTORY_MIN = 65536
 USES = (0, 0, 1, 2, 2, 3, 3, 3, 3)  # use-count bucket by min(uses, 8): 1, 2, 3-4, 5+

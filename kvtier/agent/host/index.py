@@ -63,8 +63,9 @@ from typing import Literal, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.agent.events import ChunkEvents
-from kvtier.agent.index_slots import (
+from kvtier.agent.host.events import ChunkEvents
+from kvtier.agent.host.policy import ChunkId, EvictionPolicy
+from kvtier.agent.host.slots import (
     KEY_WIDTH,
     LONG,
     WORDS,
@@ -74,7 +75,6 @@ from kvtier.agent.index_slots import (
     SlotMap,
     Slots,
 )
-from kvtier.agent.policy import ChunkId, EvictionPolicy
 from kvtier.client.protocol import StoreCode, Where
 from kvtier.shm.chunk import ChunkHeader
 from kvtier.shm.table import U64, TableWriter

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.agent.tiers.base import CorruptChunk, check_blob, check_payload
-from kvtier.agent.tiers.peer_connection import Connection, Connections
-from kvtier.agent.tiers.peer_server import PeerServer
-from kvtier.agent.tiers.peer_wire import (
+from kvtier.agent.tiers.peer.connection import Connection, Connections
+from kvtier.agent.tiers.peer.server import PeerServer
+from kvtier.agent.tiers.peer.wire import (
     Answer,
     Damaged,
     Fetch,

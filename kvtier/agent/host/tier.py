@@ -34,11 +34,11 @@ import msgspec
 import numpy as np
 import xxhash
 
-from kvtier.agent.events import EventBatch
-from kvtier.agent.index import Entry, HostIndex
-from kvtier.agent.metrics import AgentMetrics
-from kvtier.agent.policy import make_policy
-from kvtier.agent.pool_resize import open_pool
+from kvtier.agent.host.events import EventBatch
+from kvtier.agent.host.index import Entry, HostIndex
+from kvtier.agent.host.policy import make_policy
+from kvtier.agent.host.resize import open_pool
+from kvtier.agent.report.metrics import AgentMetrics
 from kvtier.api.config import HostTierConfig
 from kvtier.api.pool_layout import (
     PoolGeometry,

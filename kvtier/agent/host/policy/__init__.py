@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvtier.agent.policy.adaptive import AdaptivePolicy
-from kvtier.agent.policy.arc import ARCPolicy
-from kvtier.agent.policy.base import ChunkId, EvictionPolicy
-from kvtier.agent.policy.lru import LRUPolicy
-from kvtier.agent.policy.prefix import PrefixPolicy
+from kvtier.agent.host.policy.adaptive import AdaptivePolicy
+from kvtier.agent.host.policy.arc import ARCPolicy
+from kvtier.agent.host.policy.base import ChunkId, EvictionPolicy
+from kvtier.agent.host.policy.lru import LRUPolicy
+from kvtier.agent.host.policy.prefix import PrefixPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,

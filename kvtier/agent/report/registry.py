@@ -25,7 +25,7 @@ import kvtier
 from kvtier.api.config import ReportConfig
 from kvtier.api.node_status import parse_time
 
-log = logging.getLogger("kvtier.agent.registry")
+log = logging.getLogger("kvtier.agent.report.registry")
 API_VERSION = "kvtier.io/v1alpha1"
 TIER_LABEL = "kvtier.io/tier"
 FIELD_MANAGER = "kvtier-agent"  # the agent's identity in its KVCacheNode's managedFields

@@ -16,12 +16,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.agent.registry import Registry
+from kvtier.agent.report.registry import Registry
 from kvtier.api.config import ReportConfig
 from kvtier.api.node_status import build_report
 from kvtier.api.stats import AgentStats
 
-log = logging.getLogger("kvtier.agent.report")
+log = logging.getLogger("kvtier.agent.report.publisher")
 
 
 class Reporter:

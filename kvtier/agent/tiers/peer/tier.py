@@ -24,15 +24,15 @@ import time
 
 import msgspec
 
-from kvtier.agent.registry import Registry
-from kvtier.agent.tiers import TierContext
+from kvtier.agent.report.registry import Registry
 from kvtier.agent.tiers.base import CorruptChunk, SecondaryTier, TierUsage
-from kvtier.agent.tiers.peer_connection import Connection, Connections, call_all
-from kvtier.agent.tiers.peer_directory import homes
-from kvtier.agent.tiers.peer_membership import Membership
-from kvtier.agent.tiers.peer_reads import Holders, Reader
-from kvtier.agent.tiers.peer_server import PeerServer
-from kvtier.agent.tiers.peer_wire import Announce, Holds, WhoHas, Withdraw, decode_holders
+from kvtier.agent.tiers.factory import TierContext
+from kvtier.agent.tiers.peer.connection import Connection, Connections, call_all
+from kvtier.agent.tiers.peer.directory import homes
+from kvtier.agent.tiers.peer.membership import Membership
+from kvtier.agent.tiers.peer.reads import Holders, Reader
+from kvtier.agent.tiers.peer.server import PeerServer
+from kvtier.agent.tiers.peer.wire import Announce, Holds, WhoHas, Withdraw, decode_holders
 from kvtier.api.config import PeerTierConfig
 from kvtier.api.stats import PeerCount, PeerCounts, Tally
 from kvtier.shm.chunk import ChunkHeader
