@@ -29,7 +29,7 @@ import pytest
 
 from kvtier.api.config import AgentConfig, parse_config
 from kvtier.client.connection import AgentClient, AgentUnavailable, Grant
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from tests.agent_fuzz import random_hostile
 from tests.conftest import AGENT_PYTHON, free_port, wait_port
 from tests.faults import FaultProxy, Link

@@ -355,7 +355,7 @@ def test_a_real_agent_publishes_its_node_and_kubectl_get_shows_it(
     emulated), creates its KVCacheNode, reports; the tier's status and `kubectl get kvt`
     columns then show it."""
     from kvtier.client.connection import AgentClient
-    from kvtier.local_agent import AgentProcess, scratch_config
+    from kvtier.local.agent import AgentProcess, scratch_config
 
     monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-e2e-", dir="/dev/shm"))

@@ -22,9 +22,9 @@ import zmq
 
 from e2e.engines import HITS, REPO, kv_config, run_engines
 from kvtier.api.config import AgentConfig
-from kvtier.demo_engines.tiny_model import build
-from kvtier.local_agent import AgentProcess
-from kvtier.polling import wait_for
+from kvtier.demo.engines.tiny_model import build
+from kvtier.local.agent import AgentProcess
+from kvtier.local.wait import wait_for
 
 BLOCK = 32  # the engines' block size, one offloaded chunk each
 CACHED = 10  # full blocks a follow-up shares with its family's first prompt

@@ -19,11 +19,11 @@ import pytest
 
 from kvtier.api.config import AgentConfig, parse_config
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess
-from kvtier.polling import port_open, wait_for
+from kvtier.local.agent import AgentProcess
+from kvtier.local.wait import port_open, wait_for
 
 if TYPE_CHECKING:
-    from kvtier.replay import Trace
+    from kvtier.traces.replay import Trace
 
 ROW = 64 * 1024
 
@@ -112,8 +112,8 @@ def chats_through_agent(
 
     # imported here: e2e's conftest imports this module under vLLM's environment, which
     # lacks the agent's own dependencies
-    from kvtier.replay import load_trace, replay_agent
-    from kvtier.tracegen import multi_turn, write
+    from kvtier.traces.replay import load_trace, replay_agent
+    from kvtier.traces.tracegen import multi_turn, write
 
     def run(
         policy: str, seed: int, conversations: int

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvtier.api.stats import AgentStats
 from kvtier.client.connection import AgentClient
-from kvtier.polling import wait_for
+from kvtier.local.wait import wait_for
 
 NS = "model-a-fp16-b256"
 

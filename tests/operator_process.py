@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvtier import polling
+from kvtier.local import wait as polling
 from tests.conftest import free_port, wait_port
 
 IMAGE = "registry.local/kvtier:test"

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvtier.agent.access_log import AccessLog, to_records
-from kvtier.cli import main
+from kvtier.cli.main import main
 from kvtier.client import protocol as p
-from kvtier.replay import Budget, load_trace, run
-from kvtier.tracegen import multi_turn, write
+from kvtier.traces.replay import Budget, load_trace, run
+from kvtier.traces.tracegen import multi_turn, write
 from tests.conftest import ROW, ChatsThroughAgent
 
 

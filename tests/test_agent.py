@@ -15,7 +15,7 @@ import pytest
 from kvtier.api.config import AgentConfig
 from kvtier.api.stats import StoreSkips
 from kvtier.client.connection import AgentClient, AgentRefused, AgentUnavailable
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from kvtier.shm.pool import PoolMap
 from tests.agent_helpers import find_slot, scrape
 from tests.conftest import ROW

@@ -17,7 +17,7 @@ import zmq
 from kvtier.client import protocol as p
 from kvtier.client.connection import AgentClient
 from kvtier.client.liveness import ClientLock
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from tests.agent_fuzz import per_message_type, random_hostile, rid, snapshot
 from tests.agent_helpers import scrape
 from tests.conftest import ROW

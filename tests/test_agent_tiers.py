@@ -13,7 +13,7 @@ import pytest
 
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from tests.agent_helpers import load_exact, s3_tier, scrape, store, tier_stats, wait_for
 from tests.conftest import free_port
 from tests.helpers import NS, key

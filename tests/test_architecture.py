@@ -38,16 +38,16 @@ AGENT_MAY_IMPORT = (
     "kvtier.__version__",
 )
 OPERATOR_MAY_NOT_IMPORT = (
-    "kvtier.cli",
-    "kvtier.kubectl",
-    "kvtier.demo",
-    "kvtier.demo_peers",
-    "kvtier.demo_vllm",
-    "kvtier.demo_engines",
+    "kvtier.cli.main",
+    "kvtier.cli.kubectl",
+    "kvtier.demo.main",
+    "kvtier.demo.peers",
+    "kvtier.demo.vllm",
+    "kvtier.demo.engines",
     "kvtier.bench",
-    "kvtier.local_agent",
-    "kvtier.replay",
-    "kvtier.plan",
+    "kvtier.local.agent",
+    "kvtier.traces.replay",
+    "kvtier.traces.plan",
     "kvtier.csi",
 )
 # The plug-in and what it imports run in vLLM's environment: numpy, pyzmq, msgspec, xxhash
@@ -141,7 +141,7 @@ def test_the_plugin_imports_only_what_vllm_has() -> None:
         for node in ast.parse(modules[name].read_text()).body
         if isinstance(node, ast.Import | ast.ImportFrom)
         for _, imported in imports_of(node)
-        if within(imported, NOT_IN_VLLM) or within(imported, ("kvtier.demo_engines",))
+        if within(imported, NOT_IN_VLLM) or within(imported, ("kvtier.demo.engines",))
     ]
     assert found == []
 
@@ -156,10 +156,10 @@ def imports_of(node: ast.Import | ast.ImportFrom) -> list[tuple[int, str]]:
     ("module", "source", "expected"),
     [
         ("kvtier.agent.x", "from kvtier.operator import builders\n", "imports kvtier.operator"),
-        ("kvtier.agent.x", "def f():\n    import kvtier.cli\n", "imports kvtier.cli"),
+        ("kvtier.agent.x", "def f():\n    import kvtier.cli.main\n", "imports kvtier.cli.main"),
         ("kvtier.operator.x", "from kvtier.bench.host import run\n", "imports kvtier.bench"),
-        ("kvtier.agent.x", "from kvtier.trace import load\n", "imports kvtier.trace"),
-        ("kvtier.operator.x", "import kvtier.demo_peers\n", "imports kvtier.demo_peers"),
+        ("kvtier.agent.x", "from kvtier.cli.trace import load\n", "imports kvtier.cli.trace"),
+        ("kvtier.operator.x", "import kvtier.demo.peers\n", "imports kvtier.demo.peers"),
     ],
 )
 def test_the_check_fails_when_broken(

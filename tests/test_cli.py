@@ -14,7 +14,7 @@ import yaml
 
 from tests.conftest import config_data
 
-KVTIER = [sys.executable, "-m", "kvtier.cli"]
+KVTIER = [sys.executable, "-m", "kvtier.cli.main"]
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

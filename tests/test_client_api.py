@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.client.connection import AgentClient, AgentRefused
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from tests.conftest import ROW
 
 DTYPES = [np.uint8, np.int16, np.float32, np.float64]

@@ -324,7 +324,7 @@ def test_an_agent_using_the_whole_capacity_fits_its_volume(node: Node) -> None:
     its runtime checks in it, starts and stores."""
     from kvtier.agent.runtime_checks import check_runtime
     from kvtier.client.connection import AgentClient
-    from kvtier.local_agent import AgentProcess, scratch_config
+    from kvtier.local.agent import AgentProcess, scratch_config
 
     assert tier_volume_bytes(256 << 20, 64 << 10) > (256 << 20) + (64 << 10) * 64  # staging
     target = node.publish("pod-9", "team-c", "big")

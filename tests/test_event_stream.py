@@ -20,7 +20,7 @@ from kvtier.agent.report.event_stream import KVEventBatch, split_key, to_kv_even
 from kvtier.agent.tiers.peer.wire import load_keys, write_keys
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from tests.agent_helpers import store, wait_for
 from tests.conftest import ROW, free_port
 from tests.helpers import NS, key

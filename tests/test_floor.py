@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.eviction import family_trace, simulator_lru
-from kvtier.replay import load_trace, replay, replay_direct
+from kvtier.traces.replay import load_trace, replay, replay_direct
 
 FAMILIES = ["conversation", "sharegpt", "rag", "agentic", "scan", "tenants"]
 FRACTIONS = (0.02, 0.1, 0.35)
@@ -68,7 +68,7 @@ def test_bench_eviction_runs_the_suite(
     import json
 
     from kvtier.bench import eviction
-    from kvtier.cli import main
+    from kvtier.cli.main import main
 
     swept: list[str] = []
 

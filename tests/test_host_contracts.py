@@ -18,7 +18,7 @@ import pytest
 
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient, AgentRefused, AgentUnavailable, LeaseLost
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from kvtier.shm.table import digests
 from tests.agent_helpers import wait_for
 from tests.conftest import ROW

@@ -21,7 +21,7 @@ import pytest
 
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient, AgentUnavailable
-from kvtier.local_agent import AgentProcess, scratch_config
+from kvtier.local.agent import AgentProcess, scratch_config
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="switching to other uids and groups needs root (CI runs as root)"

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from kvtier.api.config import AgentConfig
-from kvtier.local_agent import AgentProcess
-from kvtier.replay import load_trace, replay_agent
-from kvtier.tracegen import multi_turn
+from kvtier.local.agent import AgentProcess
+from kvtier.traces.replay import load_trace, replay_agent
+from kvtier.traces.tracegen import multi_turn
 from tests.conftest import ROW
 from tests.kube_api import KubeAPI
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient, AgentUnavailable, Grant
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
 

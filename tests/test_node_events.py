@@ -25,7 +25,7 @@ from kvtier.agent.tiers.objectstore import ObjectStoreTier
 from kvtier.api.config import AgentConfig, FilesystemTierConfig, ObjectStoreTierConfig
 from kvtier.client import protocol as p
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from kvtier.shm.chunk import ChunkHeader, checksum
 from tests.agent_helpers import load_exact, store, wait_for
 from tests.conftest import ROW

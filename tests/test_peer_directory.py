@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from tests.agent_helpers import load_exact, wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, row

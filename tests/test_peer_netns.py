@@ -24,7 +24,7 @@ from kvtier.agent.tiers.peer.wire import write_keys
 from kvtier.api.config import AgentConfig
 from kvtier.bench.peers import UCX_BETWEEN_HOSTS
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from tests import netns
 from tests.agent_helpers import load_exact, wait_for
 from tests.peer_helpers import node_config, peer_stats, shared_between

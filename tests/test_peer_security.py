@@ -40,7 +40,7 @@ from kvtier.agent.tiers.peer.wire import (
 )
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from tests.agent_helpers import load_exact, wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, row

@@ -22,7 +22,7 @@ from kvtier.agent.tiers.peer.directory import home_of
 from kvtier.agent.tiers.peer.wire import write_keys
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from kvtier.shm.pool import PoolMap
 from tests import netns
 from tests.agent_helpers import find_slot, load_exact, scrape, wait_for

@@ -7,10 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli import main
-from kvtier.plan import Behind, Point, capacity_for, default_policy, grid, knee, rate_at, recommend
-from kvtier.replay import load_trace, replay_direct
-from kvtier.tracegen import multi_turn, scan, write
+from kvtier.cli.main import main
+from kvtier.traces.plan import (
+    Behind,
+    Point,
+    capacity_for,
+    default_policy,
+    grid,
+    knee,
+    rate_at,
+    recommend,
+)
+from kvtier.traces.replay import load_trace, replay_direct
+from kvtier.traces.tracegen import multi_turn, scan, write
 
 GI = 1 << 30
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from kvtier.shm.pool import staging_path
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled

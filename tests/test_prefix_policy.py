@@ -19,10 +19,10 @@ from kvtier.agent.host.policy.prefix import _class
 from kvtier.api.config import AgentConfig
 from kvtier.client import protocol as p
 from kvtier.client.connection import AgentClient, AgentRefused
-from kvtier.local_agent import AgentProcess
-from kvtier.replay import load_trace, replay
-from kvtier.tracegen import multi_turn
-from kvtier.tracegen import write as write_trace
+from kvtier.local.agent import AgentProcess
+from kvtier.traces.replay import load_trace, replay
+from kvtier.traces.tracegen import multi_turn
+from kvtier.traces.tracegen import write as write_trace
 from tests.conftest import ROW
 from tests.helpers import key
 

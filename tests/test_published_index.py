@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtier import polling
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient, AgentUnavailable
-from kvtier.local_agent import AgentProcess
+from kvtier.local import wait as polling
+from kvtier.local.agent import AgentProcess
 from kvtier.shm.table import index_path
 from tests import index_race
 from tests.helpers import NS, key, row, wait_settled

@@ -107,7 +107,7 @@ def test_the_docs_link_the_uninstall_steps_and_their_command_exists() -> None:
     flags = set(re.findall(r"kvtier operator release-finalizers[^\n`]*", text))
     assert flags
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "operator", "release-finalizers", "--help"],
+        [sys.executable, "-m", "kvtier.cli.main", "operator", "release-finalizers", "--help"],
         capture_output=True,
         text=True,
         timeout=60,

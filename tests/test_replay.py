@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvtier.agent.host.index import HostIndex
-from kvtier.cli import main
+from kvtier.cli.main import main
 from kvtier.client.protocol import StoreCode
-from kvtier.replay import BeladyPolicy, Budget, budgets, load_trace, replay, run
-from kvtier.tracegen import write as write_trace
+from kvtier.traces.replay import BeladyPolicy, Budget, budgets, load_trace, replay, run
+from kvtier.traces.tracegen import write as write_trace
 from tests.conftest import ROW, ChatsThroughAgent
 
 # The first 3,000 requests of the Mooncake conversation trace (see tests/data/README.md).

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from msgspec.structs import replace
 
-from kvtier import polling
 from kvtier.agent.report.publisher import Reporter
 from kvtier.agent.report.registry import FileRegistry, KubernetesRegistry
 from kvtier.api.config import ReportConfig
 from kvtier.api.node_status import NodeStatus, build_report, read_node_status
+from kvtier.local import wait as polling
 from tests.kube_api import KubeAPI
 from tests.stats_fixtures import STATS
 

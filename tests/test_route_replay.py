@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import tracegen
-from kvtier.cli import main as cli_main
-from kvtier.replay import load_trace
-from kvtier.route_replay import compare
+from kvtier.cli.main import main as cli_main
+from kvtier.traces import tracegen
+from kvtier.traces.replay import load_trace
+from kvtier.traces.route_replay import compare
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import pytest
 from kvtier.agent.tiers.filesystem import QUARANTINE, FilesystemTier
 from kvtier.api.config import AgentConfig, FilesystemTierConfig
 from kvtier.client.connection import AgentClient, AgentUnavailable
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from tests.agent_helpers import s3_tier, scrape, store, tier_stats, wait_for
 from tests.conftest import ROW
 from tests.faults import FaultProxy, Link

@@ -82,7 +82,7 @@ def volume(name: str) -> str:
 def cli(api: KubeAPI, *args: str, timeout: float = 60) -> subprocess.Popen[str]:
     env = {**os.environ, "KUBECONFIG": str(api.kubeconfig)}
     return subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "operator", "release-finalizers", *args],
+        [sys.executable, "-m", "kvtier.cli.main", "operator", "release-finalizers", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -241,7 +241,7 @@ def test_only_kvtiers_own_finalizer_is_removed_even_when_the_list_changed(
 
 def test_help() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "operator", "release-finalizers", "--help"],
+        [sys.executable, "-m", "kvtier.cli.main", "operator", "release-finalizers", "--help"],
         capture_output=True,
         text=True,
         timeout=60,

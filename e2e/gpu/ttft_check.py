@@ -54,12 +54,12 @@ def main() -> int:
     from vllm.config import KVTransferConfig
 
     from kvtier.api.transfer_config import build_kv_transfer_config
-    from kvtier.local_agent import AgentProcess, scratch_config
+    from kvtier.local.agent import AgentProcess, scratch_config
 
     os.environ.setdefault("PYTHONHASHSEED", "0")
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-gpu-", dir="/dev/shm"))
     try:
-        from kvtier.demo_engines.tiny_model import build
+        from kvtier.demo.engines.tiny_model import build
 
         model = build(
             scratch / "model",

@@ -6,7 +6,7 @@ the same block count, and the share of the LRU-to-optimal gap each policy closes
 prints the tables of docs/replay.md. Seed 1 is the seed policies may be tuned on; seed 2
 (and any other) is traffic they have never seen, reported apart. The conversation family is
 the Mooncake release's trace (`../shared/traces`, or tests/data's 3,000-request slice), the
-others are `kvtier.tracegen.FAMILIES`.
+others are `kvtier.traces.tracegen.FAMILIES`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from kvtier.replay import OPTIMAL, load_trace, replay_direct
-from kvtier.tracegen import FAMILIES, write
+from kvtier.traces.replay import OPTIMAL, load_trace, replay_direct
+from kvtier.traces.tracegen import FAMILIES, write
 
 FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
 POLICIES = ("lru", "arc", "adaptive", OPTIMAL)

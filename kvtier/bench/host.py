@@ -29,7 +29,7 @@ from kvtier.api.config import AgentConfig
 from kvtier.api.pool_layout import PAGE
 from kvtier.bench.baseline import memcpy_rows, run_threads, shared_buffer, tmpfs_buffer
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess, scratch_config
+from kvtier.local.agent import AgentProcess, scratch_config
 from kvtier.shm.pool import Bytes
 
 if TYPE_CHECKING:

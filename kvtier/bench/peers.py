@@ -30,7 +30,7 @@ from kvtier.api.pool_layout import PAGE
 from kvtier.api.stats import PeerCounts
 from kvtier.bench import netns
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess, scratch_peer_config
+from kvtier.local.agent import AgentProcess, scratch_peer_config
 
 MiB = 1 << 20
 NS = "bench-peers"

@@ -27,7 +27,7 @@ from kvtier.agent.tiers.filesystem import FilesystemTier
 from kvtier.agent.tiers.objectstore import ObjectStoreTier
 from kvtier.api.config import FilesystemTierConfig, ObjectStoreTierConfig
 from kvtier.bench.baseline import shared_buffer
-from kvtier.polling import port_open, wait_for
+from kvtier.local.wait import port_open, wait_for
 from kvtier.shm.chunk import ChunkHeader, checksum
 from kvtier.shm.pool import Bytes
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvtier.api.pool_layout import PAGE
 from kvtier.bench.vllm_scheduler import Engine, chunk_row, kvtier_extra_config
-from kvtier.local_agent import AgentProcess, scratch_config
+from kvtier.local.agent import AgentProcess, scratch_config
 
 MiB = 1 << 20
 

@@ -15,7 +15,7 @@ from kvtier.api.config import AgentConfig
 from kvtier.api.fingerprint import differing_components
 from kvtier.bench.vllm_scheduler import ROW, Engine, chunk_key, chunk_row
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from kvtier.vllm.tier import KVTierSecondaryTier
 from tests.vllm.conftest import engine_of
 

@@ -46,7 +46,7 @@ from kvtier.bench.vllm_scheduler import (
     offloading_config,
 )
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from kvtier.vllm import tier as plugin
 from kvtier.vllm.tier import KVTierSecondaryTier
 from tests.vllm.conftest import engine_of

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from kvtier.api.config import parse_config
-from kvtier.local_agent import AgentProcess
+from kvtier.local.agent import AgentProcess
 from kvtier.vllm.tier import KVTierSecondaryTier
 from tests.conftest import AGENT_PYTHON, config_data
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.api.units import format_bytes, parse_bytes
-from kvtier.replay import Trace, TraceError, load_trace, progress_bar, replay_direct, show
+from kvtier.traces.replay import Trace, TraceError, load_trace, progress_bar, replay_direct, show
 
 SECONDARY_POLICY = "lru"  # how the filesystem and object tiers evict
 REACHABLE_SHARE = 0.95
@@ -265,7 +265,7 @@ def _point(p: Point) -> dict[str, Any]:
 
 def _trace_fields(path: Path) -> dict[str, Any]:
     """`chunk_bytes` and `sample_rate` from the first record (an export writes them)."""
-    from kvtier.replay import read_records
+    from kvtier.traces.replay import read_records
 
     for record in read_records(path, limit=1):
         return {k: record[k] for k in ("chunk_bytes", "sample_rate") if k in record}
@@ -384,7 +384,7 @@ def summary(report: dict[str, Any]) -> list[str]:
 
 
 def main(args: Any) -> int:
-    """Entry point of `kvtier plan` (flags parsed in kvtier.cli)."""
+    """Entry point of `kvtier plan` (flags parsed in kvtier.cli.main)."""
     from rich.console import Console
 
     from kvtier.agent.host.policy import POLICIES

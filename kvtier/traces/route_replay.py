@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.replay import Trace, load_trace
+from kvtier.traces.replay import Trace, load_trace
 
 BALANCE = 1.25  # a node takes a request while at most 25 % (+8) above the least loaded
 

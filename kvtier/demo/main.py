@@ -1,6 +1,6 @@
 """`kvtier demo`: one agent, several client processes replaying multi-turn chats; then a
-second node served by the first one's agent (`demo_peers`), and two vLLM engines sharing an
-agent (`demo_vllm`) when a vLLM environment is given.
+second node served by the first one's agent (`peers.py`), and two vLLM engines sharing an
+agent (`vllm.py`) when a vLLM environment is given.
 
 Each client acts like an engine serving its share of conversations: per turn it looks up the
 prompt's chunks, loads the hit prefix through the node's pool (checking every byte),
@@ -30,11 +30,11 @@ from kvtier.api.config import AgentConfig
 from kvtier.api.stats import AgentStats
 from kvtier.api.units import format_bytes
 from kvtier.client.connection import AgentClient
-from kvtier.local_agent import AgentProcess, scratch_config
-from kvtier.workload import WorkloadShape, chunk_keys, conversation_turns, row_for
-
-NAMESPACE = "demo-model-fp16-c256"
-ROW_BYTES = 256 * 1024
+from kvtier.demo import peers
+from kvtier.demo import vllm as vllm_engines
+from kvtier.demo.shape import NAMESPACE, ROW_BYTES
+from kvtier.local.agent import AgentProcess, scratch_config
+from kvtier.traces.workload import WorkloadShape, chunk_keys, conversation_turns, row_for
 
 
 @dataclass(frozen=True)
@@ -299,21 +299,17 @@ def render(report: DemoReport, console: Console) -> None:
 
 
 def run_demo(options: DemoOptions) -> int:
-    from kvtier import demo_peers
-
     console = Console(stderr=options.as_json)
     report = run_workload(options, console)
-    second = demo_peers.run_second_node()
+    second = peers.run_second_node()
     if options.plot is not None:
-        from kvtier.plot import plot_demo
+        from kvtier.traces.plot import plot_demo
 
         plot_demo(report.timeline, options.plot)
         console.print(f"plot written to {options.plot}")
     engines = None
     if options.vllm_python is not None:
-        from kvtier import demo_vllm
-
-        engines = demo_vllm.run_engines(options.vllm_python, console)
+        engines = vllm_engines.run_engines(options.vllm_python, console)
     if options.as_json:
         document = {
             "summary": report.summary(),
@@ -326,9 +322,9 @@ def run_demo(options: DemoOptions) -> int:
         print(json.dumps(document, indent=2))
     else:
         render(report, console)
-        demo_peers.render(second, console)
+        peers.render(second, console)
         if engines is not None:
-            demo_vllm.render(engines, console)
+            vllm_engines.render(engines, console)
     hits_b = engines["engines"][1]["external_hit_tokens"] if engines else 1
     corrupt = report.summary()["corrupt_loads"] + second.corrupt_loads
     return 1 if corrupt or not hits_b or not second.chunks_from_peer else 0

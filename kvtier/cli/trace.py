@@ -80,7 +80,7 @@ def export(endpoint: str, output: str, block_size: int, timeout: float = 10.0) -
 
 
 def main(args: Any) -> int:
-    """Entry point of `kvtier trace` (flags parsed in kvtier.cli)."""
+    """Entry point of `kvtier trace` (flags parsed in kvtier.cli.main)."""
     from kvtier.client.connection import AgentUnavailable
 
     endpoint = args.agent

@@ -17,11 +17,11 @@ from rich.table import Table
 
 from kvtier.api.units import format_bytes
 from kvtier.client.connection import AgentClient
-from kvtier.demo import NAMESPACE, ROW_BYTES
-from kvtier.local_agent import AgentProcess, scratch_peer_config
-from kvtier.polling import wait_for
+from kvtier.demo.shape import NAMESPACE, ROW_BYTES
+from kvtier.local.agent import AgentProcess, scratch_peer_config
+from kvtier.local.wait import wait_for
 from kvtier.shm.pool import Bytes
-from kvtier.workload import WorkloadShape, chunk_keys, conversation_turns, row_for
+from kvtier.traces.workload import WorkloadShape, chunk_keys, conversation_turns, row_for
 
 WHAT = "the second node's agents settled"
 

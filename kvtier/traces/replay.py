@@ -575,7 +575,7 @@ def _load_checked(
     many of those differ from the bytes stored under their key."""
     import numpy as np
 
-    from kvtier.workload import row_for
+    from kvtier.traces.workload import row_for
 
     if not keys:
         return 0, 0
@@ -594,7 +594,7 @@ def _store_after(
     client: AgentClient, namespace: str, keys: list[bytes], prefix: int, chunk_bytes: int
 ) -> None:
     """Store the request's chunks after its hit prefix, each naming its parent."""
-    from kvtier.workload import row_for
+    from kvtier.traces.workload import row_for
 
     rest = keys[prefix:]
     parents = [keys[prefix - 1] if prefix else None, *keys[prefix:-1]]
@@ -699,7 +699,7 @@ def render(report: dict[str, Any]) -> Any:
 
 
 def main(args: Any) -> int:
-    """Entry point of `kvtier replay` (flags parsed in kvtier.cli)."""
+    """Entry point of `kvtier replay` (flags parsed in kvtier.cli.main)."""
     from rich.console import Console
 
     err = Console(stderr=True)
@@ -728,7 +728,7 @@ def main(args: Any) -> int:
     if block_bytes:
         report["block_bytes"] = block_bytes
     if args.plot is not None:
-        from kvtier.plot import plot_replay
+        from kvtier.traces.plot import plot_replay
 
         plot_replay(report, args.plot)
     lines = [f"block = {format_bytes(block_bytes)}"] if block_bytes else []

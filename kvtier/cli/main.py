@@ -131,7 +131,7 @@ def _csi(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvtier.demo import DemoOptions, run_demo
+    from kvtier.demo.main import DemoOptions, run_demo
 
     return run_demo(
         DemoOptions(
@@ -156,22 +156,22 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     if args.nodes is not None:
-        from kvtier.route_replay import main as route_main
+        from kvtier.traces.route_replay import main as route_main
 
         return route_main(args)
-    from kvtier.replay import main as replay_main
+    from kvtier.traces.replay import main as replay_main
 
     return replay_main(args)
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from kvtier.trace import main as trace_main
+    from kvtier.cli.trace import main as trace_main
 
     return trace_main(args)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from kvtier.plan import main as plan_main
+    from kvtier.traces.plan import main as plan_main
 
     return plan_main(args)
 
