@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.operator.names import labels
+from kvtier.api.names import labels
 
 REQUESTS = {"cpu": "100m", "memory": str((64 << 30) + (512 << 20))}
 SCHEDULER = (

@@ -13,8 +13,8 @@ import jsonpatch
 import pytest
 import zmq
 
+from kvtier.api.names import curve_secret_name
 from kvtier.operator.builders import build_curve_secret
-from kvtier.operator.names import curve_secret_name
 from tests.admission_policy import admit, compile_errors, create_request
 from tests.chart_render import render
 from tests.rbac_access import can_i

@@ -19,12 +19,12 @@ import grpc
 import numpy as np
 import pytest
 
+from kvtier.api.names import tier_group
 from kvtier.csi.messages import SERVICES, message
 from kvtier.csi.mounts import mount_at
 from kvtier.csi.server import NodePlugin, serve, tier_volume_bytes
 from kvtier.csi.volumes import Volumes
 from kvtier.kube import KVCacheTier, to_object
-from kvtier.operator.names import tier_group
 from tests.kube_api import KubeAPI
 
 pytestmark = pytest.mark.skipif(

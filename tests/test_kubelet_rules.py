@@ -36,11 +36,11 @@ import yaml
 import zmq
 
 from kvtier.api.config import AgentConfig
+from kvtier.api.names import tier_dir, tier_group
 from kvtier.api.units import parse_bytes
 from kvtier.csi.mounts import mount_at
 from kvtier.local import wait as polling
 from kvtier.operator.builders import build_agent_config, build_children
-from kvtier.operator.names import tier_dir, tier_group
 from kvtier.operator.settings import OperatorSettings
 from kvtier.operator.webhook import mutate_pod
 from tests.chart_render import render

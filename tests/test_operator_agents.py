@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.operator.names import labels
+from kvtier.api.names import labels
 from tests.kube_api import KubeAPI
 from tests.operator_process import running_operator, wait_for
 from tests.pod_states import (

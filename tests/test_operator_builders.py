@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from kvtier.api.config import ConfigError, parse_config
+from kvtier.api.names import tier_group
 from kvtier.operator.builders import build_agent_config, build_children
-from kvtier.operator.names import tier_group
 from kvtier.operator.status import aggregate, merge_conditions, transitions
 from kvtier.operator.webhook import INJECTED, SKIPPED, mutate_pod, selects
 from tests.apiserver_rules import admit, load_crd

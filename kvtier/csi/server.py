@@ -19,12 +19,12 @@ from typing import Any, Protocol
 import grpc
 
 import kvtier
+from kvtier.api.names import tier_dir, tier_group
 from kvtier.api.pool_layout import DEFAULT_CHUNK_SIZE, pool_geometry
 from kvtier.api.pool_layout import tier_volume_bytes as files_volume_bytes
 from kvtier.api.units import parse_bytes
 from kvtier.csi.messages import PACKAGE, SERVICES, message
 from kvtier.csi.volumes import TierVolume, Volumes
-from kvtier.operator.names import tier_dir, tier_group
 
 DRIVER = "csi.kvtier.io"
 POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"

@@ -9,9 +9,7 @@ import hashlib
 from typing import Any
 
 from kvtier.api.config import AgentConfig, ConfigError, parse_config
-from kvtier.api.pool_layout import DEFAULT_CHUNK_SIZE
-from kvtier.api.units import parse_bytes
-from kvtier.operator.names import (
+from kvtier.api.names import (
     API_VERSION,
     GROUP,
     agent_name,
@@ -21,6 +19,8 @@ from kvtier.operator.names import (
     labels,
     tier_group,
 )
+from kvtier.api.pool_layout import DEFAULT_CHUNK_SIZE
+from kvtier.api.units import parse_bytes
 from kvtier.operator.settings import OperatorSettings
 
 Manifest = dict[str, Any]

@@ -14,9 +14,9 @@ from typing import Any
 import jsonpatch
 
 from kvtier.api.config import ConfigError
+from kvtier.api.names import agent_name
 from kvtier.kube import FIELD_MANAGER, ApiError, AsyncClient, as_dict
 from kvtier.operator import diagnosis
-from kvtier.operator.names import agent_name
 from kvtier.operator.reconcile import ensure_children, fetch
 from kvtier.operator.settings import OperatorSettings
 from kvtier.operator.status import aggregate, merge_conditions, transitions

@@ -11,8 +11,8 @@ from typing import Any
 
 import kopf
 
+from kvtier.api.names import GROUP, MANAGED_BY, VERSION
 from kvtier.operator import control
-from kvtier.operator.names import GROUP, MANAGED_BY, VERSION
 from kvtier.operator.settings import OperatorSettings
 from kvtier.operator.status import event_type
 from kvtier.operator.uninstall import FINALIZER

@@ -29,9 +29,9 @@ from lightkube.resources.apps_v1 import Deployment
 from lightkube.resources.core_v1 import PersistentVolume, Pod
 from lightkube.types import PatchType
 
+from kvtier.api.names import GROUP, MANAGED_BY
 from kvtier.kube import FIELD_MANAGER, ApiError, AsyncClient, KVCacheTier, as_dict, not_found
 from kvtier.operator.builders import volume_labels
-from kvtier.operator.names import GROUP, MANAGED_BY
 
 Manifest = dict[str, Any]
 FINALIZER = f"{GROUP}/operator"  # kopf's finalizer, as configure() in main.py names it

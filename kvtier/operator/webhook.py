@@ -21,10 +21,10 @@ from typing import Any
 import jsonpatch
 
 from kvtier.api.config import AgentConfig
+from kvtier.api.names import GROUP, tier_group
 from kvtier.api.transfer_config import build_kv_transfer_config, kv_transfer_config_arg
 from kvtier.api.units import parse_bytes
 from kvtier.operator.builders import TIER_VOLUME, agent_image, build_agent_config, tier_volume
-from kvtier.operator.names import GROUP, tier_group
 from kvtier.operator.settings import OperatorSettings
 
 Manifest = dict[str, Any]

@@ -1,4 +1,5 @@
-"""Names and labels of everything the operator creates for one KVCacheTier."""
+"""Names, labels and groups of everything kvtier creates for one KVCacheTier: what the
+operator, its webhook and the CSI plugin agree on without talking to each other."""
 
 from __future__ import annotations
 
