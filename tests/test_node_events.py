@@ -19,7 +19,7 @@ from kvtier.agent.host.events import (
     ChunkEvents,
     NodeEvents,
 )
-from kvtier.agent.tiers.base import CorruptChunk, namespace_dir
+from kvtier.agent.tiers.base import CorruptChunk, blob_path, namespace_dir
 from kvtier.agent.tiers.filesystem import FilesystemTier
 from kvtier.agent.tiers.objectstore import ObjectStoreTier
 from kvtier.api.config import AgentConfig, FilesystemTierConfig, ObjectStoreTierConfig
@@ -129,12 +129,12 @@ def test_filesystem_tier_reports_writes_evictions_quarantine_and_other_agents(
     tier.maintain()  # the first upkeep scans
     every = {(NS, key(i)) for i in (0, 1, 2, 3, 10)} | {("weird/namespace", key(11))}
     assert held() == every
-    path = tier.path_for(NS, key(1))
+    path = tmp_path / blob_path(NS, key(1))
     path.write_bytes(path.read_bytes()[:-1] + b"\0")  # damaged: quarantined when read
     with pytest.raises(CorruptChunk):
         tier.read_into(NS, key(1), np.zeros(ROW, np.uint8).data)
     assert held() == every - {(NS, key(1))}
-    tier.path_for(NS, key(2)).unlink()  # gone under the tier (another agent evicted it)
+    (tmp_path / blob_path(NS, key(2))).unlink()  # gone under the tier (another agent evicted it)
     for i in range(20, 30):  # past the high watermark: evicted down to the low one
         _write(tier, NS, i)
     tier._next_scan = 0.0

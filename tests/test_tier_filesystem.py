@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.agent.tiers.base import CorruptChunk
+from kvtier.agent.tiers.base import CorruptChunk, blob_path
 from kvtier.agent.tiers.filesystem import QUARANTINE, FilesystemTier
 from kvtier.api.config import FilesystemTierConfig
 from kvtier.shm.chunk import ChunkHeader, checksum
@@ -26,6 +26,11 @@ ROW = 16 * 1024
 
 def make_tier(path: Path, **kw: object) -> FilesystemTier:
     return FilesystemTier("fs", FilesystemTierConfig.model_validate({"path": path, **kw}))
+
+
+def file_of(root: Path, i: int) -> Path:
+    """Where the tier keeps chunk `i` of NS: the layout every tier shares (`blob_path`)."""
+    return root / blob_path(NS, key(i))
 
 
 def put(tier: FilesystemTier, i: int, nbytes: int = ROW) -> None:
@@ -58,14 +63,14 @@ def test_bad_files_are_corrupt_and_quarantined(tmp_path: Path, damage: str) -> N
     tier = make_tier(tmp_path, capacity="1Mi")
     put(tier, 1)
     put(tier, 2)
-    path = tier.path_for(NS, key(1))
+    path = file_of(tmp_path, 1)
     raw = bytearray(path.read_bytes())
     if damage == "flip":
         raw[4096 + 100] ^= 0x01
     elif damage == "truncate":
         raw = raw[: 4096 + ROW // 2]
     elif damage == "wrong-key":
-        raw = bytearray(tier.path_for(NS, key(2)).read_bytes())
+        raw = bytearray(file_of(tmp_path, 2).read_bytes())
     else:
         raw[:16] = b"\xff" * 16
     path.write_bytes(bytes(raw))
@@ -82,7 +87,7 @@ def _write_same_key(root: str, start: mp.synchronize.Event) -> None:
     start.wait()
     for _ in range(30):
         put(tier, 5, 256 * 1024)
-        tier.path_for(NS, key(5)).unlink(missing_ok=True)  # force the next publish
+        file_of(Path(root), 5).unlink(missing_ok=True)  # force the next publish
     put(tier, 5, 256 * 1024)
 
 
@@ -118,7 +123,7 @@ def test_eviction_by_watermarks_oldest_access_first(tmp_path: Path) -> None:
     )
     for i in range(9):
         put(tier, i)
-        os.utime(tier.path_for(NS, key(i)), (1000 + i, 1000 + i))
+        os.utime(file_of(tmp_path, i), (1000 + i, 1000 + i))
     assert tier.maintain() == 0  # 9 of 10: not above the high watermark
     get(tier, 0)  # a read refreshes the access record of the oldest file
     put(tier, 9)

@@ -105,9 +105,6 @@ class FilesystemTier(BlobTier[FilesystemTierConfig]):
 
     # --- reads and writes --------------------------------------------------------------
 
-    def path_for(self, namespace: str, key: bytes) -> Path:
-        return Path(self.blob_name(namespace, key))
-
     def exists(self, namespace: str, keys: list[bytes]) -> list[bool]:
         exists = os.path.exists
         return [exists(self.blob_name(namespace, k)) for k in keys]

@@ -35,11 +35,6 @@ def homes(keys: list[bytes], members: list[str]) -> npt.NDArray[np.intp]:
     return np.asarray(weights.argmax(axis=1))
 
 
-def home_of(key: bytes, members: list[str]) -> str:
-    """The member that is `key`'s home."""
-    return members[int(homes([key], members)[0])]
-
-
 class Directory:
     """This agent's share of the cluster-wide index: who holds the keys homed here."""
 
