@@ -507,9 +507,6 @@ class HostIndex:
         self.counters.leases_reclaimed += len(gone)
         return gone
 
-    def clients_with_leases(self) -> set[str]:
-        return {lease.client for lease in self._leases.values()}
-
     # --- internals -----------------------------------------------------------------------
 
     def _take(self, lease_id: int, client: str, kind: Literal["store", "load"]) -> Lease:
