@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import numpy as np
@@ -98,11 +99,13 @@ def test_a_replaced_table_is_retired_and_a_closed_writer_is_not_alive() -> None:
 GEN = 1 << 40  # generation = GEN + digest's key number: a reader can tell what it read
 
 
-def _churn(path: str, rounds: int, seed: int) -> None:
-    """Publish and withdraw keys at random, each always with the slot and generation that
-    belong to it, so any (digest, slot, generation) a reader sees can be checked."""
+def _churn(path: str, rounds: int, seed: int, started: Barrier) -> None:
+    """Make the table, as an agent does, then publish and withdraw keys at random, each
+    always with the slot and generation that belong to it, so any (digest, slot,
+    generation) a reader sees can be checked."""
     rng = np.random.default_rng(seed)
-    writer = s.TableWriter.attach(Path(path))
+    writer = s.TableWriter(Path(path), slot_count=300, boot=9)
+    started.wait(timeout=120)  # the readers open the table it made
     live: set[int] = set()
     for _ in range(rounds):
         n = int(rng.integers(0, 600))
@@ -115,11 +118,12 @@ def _churn(path: str, rounds: int, seed: int) -> None:
             live.add(n)
 
 
-def _read(path: str, rounds: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+def _read(path: str, rounds: int, started: Barrier, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    started.wait(timeout=120)
     reader = s.TableReader(Path(path))
     keys = [b"key-%d" % n for n in range(600)]
     ds = s.digests("ns", keys)
-    deadline = time.monotonic() + 120  # the writer's process may start later than this one
+    deadline = time.monotonic() + 120  # the writer may not have published anything yet
     while not (reader.find(ds)[0] >= 0).any() and time.monotonic() < deadline:
         time.sleep(0.005)
     bad = 0
@@ -138,12 +142,12 @@ def _read(path: str, rounds: int, out: mp.Queue) -> None:  # type: ignore[type-a
 
 def test_readers_racing_a_writer_never_read_a_wrong_slot() -> None:
     path = Path("/dev/shm") / f"kvtier-test-index-race-{os.getpid()}"
-    owner = s.TableWriter(path, slot_count=300, boot=9)
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    started = ctx.Barrier(3)
     try:
-        readers = [ctx.Process(target=_read, args=(str(path), 150, out)) for _ in range(2)]
-        writer = ctx.Process(target=_churn, args=(str(path), 200_000, 5))
+        readers = [ctx.Process(target=_read, args=(str(path), 150, started, out)) for _ in range(2)]
+        writer = ctx.Process(target=_churn, args=(str(path), 200_000, 5, started))
         for proc in (writer, *readers):
             proc.start()
         results = [out.get(timeout=300) for _ in readers]
@@ -154,5 +158,4 @@ def test_readers_racing_a_writer_never_read_a_wrong_slot() -> None:
         assert sum(bad for bad, _ in results) == 0
         assert sum(hits for _, hits in results) > 0  # the readers saw the table populated
     finally:
-        owner.close()
         path.unlink(missing_ok=True)

@@ -256,16 +256,6 @@ class TableWriter:
         lock_fd = os.open(tmp, os.O_RDONLY)
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held until this process ends
         os.replace(tmp, path)
-        self._bind(path, lock_fd)
-
-    @classmethod
-    def attach(cls, path: Path) -> TableWriter:
-        """Write an existing table (tests race a writer in another process this way)."""
-        writer = cls.__new__(cls)
-        writer._bind(path, None)
-        return writer
-
-    def _bind(self, path: Path, lock_fd: int | None) -> None:
         self._map = _Mapped(path, writable=True)
         self._lock_fd = lock_fd
         self.path = path
@@ -288,8 +278,7 @@ class TableWriter:
         self._digest.release()
         self._gen.release()
         self._map.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # drops the flock: readers stop trusting the table
+        os.close(self._lock_fd)  # drops the flock: readers stop trusting the table
 
     def _find(self, d: int) -> int:
         """The position holding digest `d`, or -1."""
