@@ -22,9 +22,14 @@ HEADER_BYTES = SLOT_HEADER_BYTES
 
 
 class SlotState(enum.IntEnum):
-    FREE = 0
-    WRITING = 1
-    SEALED = 2  # bytes complete and checksum written: safe to re-index after a restart
+    """A pool slot's lifecycle, as its header records it and as the agent's index keeps it
+    (the agent makes a chunk readable where it writes the SEALED header, under one lock).
+    Eviction changes only the index: the slot's header keeps its last sealed chunk, which a
+    restarted agent may adopt again, until the slot is handed to another chunk."""
+
+    FREE = 0  # holds no chunk
+    WRITING = 1  # handed to a chunk being written: never read
+    SEALED = 2  # bytes complete and checksum written: readable, safe to re-index after a restart
 
 
 def checksum(data: memoryview | bytes) -> int:

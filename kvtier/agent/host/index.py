@@ -52,7 +52,6 @@ reading the pool's slot header.
 
 from __future__ import annotations
 
-import enum
 import itertools
 from array import array
 from collections import Counter
@@ -76,7 +75,7 @@ from kvtier.agent.host.slots import (
     Slots,
 )
 from kvtier.client.protocol import StoreCode, Where
-from kvtier.shm.chunk import ChunkHeader
+from kvtier.shm.chunk import ChunkHeader, SlotState
 from kvtier.shm.table import U64, TableWriter
 
 
@@ -85,15 +84,11 @@ class LeaseError(ValueError):
     another client, or of the other kind."""
 
 
-class EntryState(enum.IntEnum):
-    FREE = 0  # the slot holds no chunk
-    WRITING = 1
-    READY = 2
-
-
 ChunkKey = tuple[str, bytes]
-# The states as plain ints, which numpy stores and compares without consulting the enum.
-_FREE, _WRITING, _READY = (state.value for state in EntryState)
+# A slot's state is the one its header in the pool carries (`SlotState`): the agent makes a
+# chunk readable and writes its SEALED header in one step under its lock. As plain ints,
+# which numpy stores and compares without consulting the enum.
+_FREE, _WRITING, _SEALED = int(SlotState.FREE), int(SlotState.WRITING), int(SlotState.SEALED)
 
 
 class Entry:
@@ -126,14 +121,15 @@ class Entry:
 
     @property
     def checksum(self) -> int | None:
-        """Set once sealed: the bytes are complete and verified."""
+        """Set once the bytes are complete and checksummed: by the host tier where it seals
+        the chunk (an index used without a pool, as by trace replays, leaves it unset)."""
         index = self._index
-        return int(index._checksum[self.slot]) if index._sealed[self.slot] else None
+        return int(index._checksum[self.slot]) if index._summed[self.slot] else None
 
     @checksum.setter
     def checksum(self, value: int) -> None:
         self._index._checksum[self.slot] = value
-        self._index._sealed[self.slot] = 1
+        self._index._summed[self.slot] = 1
 
     def header(self) -> ChunkHeader:
         checksum = self.checksum
@@ -187,7 +183,7 @@ class HostIndex:
         self._hits = np.zeros(slot_count, np.uint32)  # wraps after 2^32 hits of one chunk
         self._length = np.zeros(slot_count, np.uint64)
         self._checksum = np.zeros(slot_count, np.uint64)
-        self._sealed = np.zeros(slot_count, np.uint8)
+        self._summed = np.zeros(slot_count, np.uint8)
         self._published = np.zeros(slot_count, np.uint8)  # in the table under its digest
         self._generation = np.zeros(slot_count, np.uint64)
         self._digests = array("Q", [0]) * slot_count  # its `shm_index.digest`
@@ -264,7 +260,7 @@ class HostIndex:
         slots = np.concatenate([slots for slots, _ in self._pending_hits])
         stamps = np.concatenate([stamps for _, stamps in self._pending_hits])
         self._pending_hits.clear()
-        held = (self._state[slots] == _READY) & (self._generation[slots] == stamps)
+        held = (self._state[slots] == _SEALED) & (self._generation[slots] == stamps)
         slots = slots[held]
         if not slots.size:
             return
@@ -288,7 +284,7 @@ class HostIndex:
     def ready_keys(self) -> dict[str, set[bytes]]:
         """Every sealed chunk's key, by namespace."""
         held: dict[str, set[bytes]] = {}
-        for slot in np.flatnonzero(self._state == _READY).tolist():
+        for slot in np.flatnonzero(self._state == _SEALED).tolist():
             namespace, key = self.key_at(slot)
             held.setdefault(namespace, set()).add(key)
         return held
@@ -464,7 +460,7 @@ class HostIndex:
     def remove(self, entry: Entry) -> None:
         """Drop a ready, unpinned chunk (it failed verification, or was deleted)."""
         slot = entry.slot
-        if self._pins[slot] or self._state[slot] != _READY:
+        if self._pins[slot] or self._state[slot] != _SEALED:
             return
         self.policy.on_remove(self._chunk_id(slot))
         self._forget(slot)
@@ -561,7 +557,7 @@ class HostIndex:
     def _ready_slots(self, namespace: str, keys: list[bytes], hashes: U64 | None = None) -> Slots:
         """Each key's slot where its chunk is ready to read, else -1."""
         slots = self._slots(namespace, keys, hashes)
-        return np.where(self._state[slots] == _READY, slots, -1)
+        return np.where(self._state[slots] == _SEALED, slots, -1)
 
     def _find(self, batch: KeyBatch) -> Slots:
         """Each key's slot, else -1: the map's candidates, confirmed by namespace and key."""
@@ -594,7 +590,7 @@ class HostIndex:
             if slot < 0 and key in placed:
                 slot = placed[key]
             if slot >= 0:
-                out.append(StoreCode.EXISTS if state[slot] == _READY else StoreCode.BUSY)
+                out.append(StoreCode.EXISTS if state[slot] == _SEALED else StoreCode.BUSY)
                 continue
             if limit is not None and len(given) >= limit:
                 out.append(StoreCode.STAGING_FULL)
@@ -656,7 +652,7 @@ class HostIndex:
         self._generation[slots] = np.arange(first, first + len(slots), dtype=np.uint64)
         self._length[slots] = length
         self._pins[slots] = 1
-        self._hits[slots] = self._sealed[slots] = self._published[slots] = 0
+        self._hits[slots] = self._summed[slots] = self._published[slots] = 0
         hashes = batch.hashes[rows].tolist()
         name = self._names[batch.number]
         for slot, row, digest in zip(slots.tolist(), rows.tolist(), hashes, strict=True):
@@ -691,7 +687,7 @@ class HostIndex:
         if not slots:
             return
         keys = self._keys_at(slots)
-        self._state[slots] = _READY
+        self._state[slots] = _SEALED
         self.policy.on_inserts(self._chunk_ids(slots))
         self.counters.namespaces[namespace] += len(slots)
         for key in keys:
