@@ -128,6 +128,16 @@ class SecondaryTier(ABC):
     def maintain(self) -> int:
         """Periodic upkeep (rescans, eviction to the watermarks); returns chunks evicted."""
 
+    def peers(self) -> list[str]:
+        """The other agents this tier works with (their endpoints, as last read), for the
+        agent's stats; a tier that works with none has none."""
+        return []
+
+    def ask_source(self, source: str, namespace: str, keys: list[bytes]) -> None:
+        """A request named `source`, another agent, as holding `keys`: a tier that can read
+        from other agents remembers it as their holder; the others ignore it."""
+        return None
+
     def counters(self) -> PeerCounts | None:
         """The peer tier's traffic counters for the agent's stats; other tiers have none
         beyond what every tier counts."""

@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from kvtier.agent.host.events import RESIDENCY_OF_KIND, NodeEvents
 from kvtier.agent.host.index import Entry
@@ -40,9 +40,6 @@ from kvtier.api.config import TierConfig
 from kvtier.api.stats import Tally, TierCount, TierCounts, TierStats
 from kvtier.client.protocol import Where
 from kvtier.shm.chunk import ChunkHeader
-
-if TYPE_CHECKING:
-    from kvtier.agent.tiers.peer.tier import PeerTier
 
 log = logging.getLogger("kvtier.agent.tiers.chain")
 
@@ -136,11 +133,20 @@ class SecondaryTiers:
 
         tier.backend.report_holdings(holdings)
 
-    def peer(self) -> PeerTier | None:
-        """The peer tier, which also answers the agent's `kvtier_source` requests."""
-        from kvtier.agent.tiers.peer.tier import PeerTier
+    def peers(self) -> list[str]:
+        """The other agents the tiers work with, in tier order."""
+        return [peer for t in self.tiers for peer in t.backend.peers()]
 
-        return next((t.backend for t in self.tiers if isinstance(t.backend, PeerTier)), None)
+    def ask_source(self, source: str, namespace: str, keys: list[bytes]) -> None:
+        """A request's `kvtier_source`: the agent it names holds `keys`; told to every tier,
+        those that can read from it take note."""
+        for t in self.tiers:
+            t.backend.ask_source(source, namespace, keys)
+
+    def peer(self) -> SecondaryTiers:
+        """What answers `peers` and `ask_source`: the chain itself (callers that held the
+        peer tier for them get the same answers from it)."""
+        return self
 
     @property
     def names(self) -> list[str]:
