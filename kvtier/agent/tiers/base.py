@@ -17,7 +17,7 @@ from typing import Generic, Protocol, TypeVar
 
 import xxhash
 
-from kvtier.api.stats import PeerCounts
+from kvtier.api.stats import TierStats
 from kvtier.shm.chunk import HEADER_BYTES, ChunkHeader, checksum
 
 
@@ -138,10 +138,10 @@ class SecondaryTier(ABC):
         from other agents remembers it as their holder; the others ignore it."""
         return None
 
-    def counters(self) -> PeerCounts | None:
-        """The peer tier's traffic counters for the agent's stats; other tiers have none
-        beyond what every tier counts."""
-        return None
+    def stats(self, common: TierStats) -> TierStats:
+        """This tier's stats: `common`, what the chain reports of every tier, with what this
+        kind of tier adds (most add nothing)."""
+        return common
 
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release clients and threads."""

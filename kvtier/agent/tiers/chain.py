@@ -348,19 +348,17 @@ class SecondaryTiers:
         for tier in self.tiers:
             usage = tier.backend.usage()
             counts = tier.counts.read()
-            out.append(
-                TierStats(
-                    name=tier.name,
-                    kind=tier.backend.kind,
-                    capacity_bytes=usage.capacity_bytes,
-                    used_bytes=usage.used_bytes,
-                    chunks=usage.objects,
-                    queued=tier.queue.qsize(),
-                    healthy=tier.healthy,
-                    counts=counts,
-                    peer=tier.backend.counters(),
-                )
+            common = TierStats(
+                name=tier.name,
+                kind=tier.backend.kind,
+                capacity_bytes=usage.capacity_bytes,
+                used_bytes=usage.used_bytes,
+                chunks=usage.objects,
+                queued=tier.queue.qsize(),
+                healthy=tier.healthy,
+                counts=counts,
             )
+            out.append(tier.backend.stats(common))
         return out
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ from kvtier.agent.tiers.peer.reads import Holders, Reader
 from kvtier.agent.tiers.peer.server import PeerServer
 from kvtier.agent.tiers.peer.wire import Announce, Holds, WhoHas, Withdraw, decode_holders
 from kvtier.api.config import PeerTierConfig
-from kvtier.api.stats import PeerCount, PeerCounts, Tally
+from kvtier.api.stats import PeerCount, PeerCounts, Tally, TierStats
 from kvtier.shm.chunk import ChunkHeader
 
 log = logging.getLogger("kvtier.agent.peers")
@@ -243,7 +243,12 @@ class PeerTier(SecondaryTier):
     def _count(self, what: PeerCount, n: int = 1) -> None:
         self._counts.add(what, n)
 
+    def stats(self, common: TierStats) -> TierStats:
+        """What every tier reports, with the peer traffic counters."""
+        return msgspec.structs.replace(common, peer=self.counters())
+
     def counters(self) -> PeerCounts:
+        """The traffic since the agent started, and the state now (loans, connections)."""
         counts = self._counts.read()
         counts.lent = self.server.lent()
         counts.refused = self.server.refused
