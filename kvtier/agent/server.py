@@ -303,9 +303,10 @@ class Agent:
             case p.Abort(lease):
                 host.abort(lease, client)
             case p.BeginLoad(namespace, keys, source):
-                if self.tiers is not None and host.missing(namespace, keys):
+                missing = host.missing(namespace, keys) if self.tiers is not None else []
+                if missing:
                     return lambda: self._load_with_promotion(
-                        client, namespace, keys, source, deadline
+                        client, namespace, keys, missing, source, deadline
                     )
                 lease, slots, generations = host.begin_load(client, namespace, keys)
                 where = [0 if s >= 0 else Where.MISS for s in slots]
@@ -359,10 +360,16 @@ class Agent:
         return p.LookupReply(all_hits, prefix, where)
 
     def _load_with_promotion(
-        self, client: str, namespace: str, keys: list[bytes], source: str, deadline: float
+        self,
+        client: str,
+        namespace: str,
+        keys: list[bytes],
+        missing: list[bytes],
+        source: str,
+        deadline: float,
     ) -> p.Reply:
+        """`missing`: the keys the pool did not hold when the request arrived."""
         assert self.tiers is not None
-        missing = self.host.missing(namespace, keys)
         self._ask_source(source, namespace, missing)
         promoted = self.tiers.promote(namespace, missing, deadline)
         lease, slots, generations = self.host.begin_load(client, namespace, keys)
