@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvtier.agent.host.index import HostIndex, LeaseError
 from kvtier.agent.host.policy import make_policy
-from kvtier.agent.host.slots import KEY_WIDTH, SlotMap
+from kvtier.agent.host.slots import KEY_WIDTH, RestingSlots, SlotMap
 from kvtier.bench.host import agent_index_bytes
 from kvtier.client.protocol import StoreCode, Where
 from kvtier.shm.table import TableWriter, digests
@@ -189,6 +189,15 @@ def test_slot_of_an_expired_store_rests_before_reuse() -> None:
     index.expire(now=16.0)
     assert index.resting_slots == 0
     assert store(index, b"e") == resting
+
+
+def test_resting_slots_come_out_once_their_rest_is_over() -> None:
+    resting = RestingSlots()
+    for slot, until in ((3, 5.0), (1, 2.0), (7, 5.0)):
+        resting.add(slot, until)
+    assert resting.due(1.0) == [] and len(resting) == 3
+    assert resting.due(2.0) == [1]
+    assert resting.due(9.0) == [3, 7] and len(resting) == 0
 
 
 PLACES = (61, 62, 63, 0, 1)  # homes at the end of the 64-position map of 12 slots and past it

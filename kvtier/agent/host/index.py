@@ -71,6 +71,7 @@ from kvtier.agent.host.slots import (
     FreeSlots,
     KeyBatch,
     Mask,
+    RestingSlots,
     SlotMap,
     Slots,
 )
@@ -172,7 +173,7 @@ class HostIndex:
         self.table = table
         self.policy = policy
         self.rest_seconds = rest_seconds
-        self._resting: list[tuple[float, int]] = []  # (until, slot)
+        self._resting = RestingSlots()
         # Per slot, meaningful while its state is not FREE.
         self._state = np.zeros(slot_count, np.uint8)
         self._namespace = np.zeros(slot_count, np.uint32)  # its namespace's number
@@ -469,7 +470,7 @@ class HostIndex:
     def rest(self, slot: int, until: float) -> None:
         """Keep a free slot out of use until `until`: a writer may still copy into it."""
         self._free.remove(slot)
-        self._resting.append((until, slot))
+        self._resting.add(slot, until)
 
     def expire(self, now: float) -> list[Lease]:
         """Release leases past their deadline (store slots go to rest) and return rested
@@ -483,11 +484,8 @@ class HostIndex:
             del self._leases[lease.id]
             self._release(lease, rest_until=now + self.rest_seconds)
         self.counters.leases_expired += len(expired)
-        if self._resting:
-            for until, slot in self._resting:
-                if until <= now:
-                    self._free.append(slot)
-            self._resting = [(until, slot) for until, slot in self._resting if until > now]
+        for slot in self._resting.due(now):
+            self._free.append(slot)
         return expired
 
     def release_client(self, client: str) -> list[Lease]:
@@ -537,7 +535,7 @@ class HostIndex:
             if rest_until is None:
                 self._free.append(slot)
             else:
-                self._resting.append((rest_until, slot))
+                self._resting.add(slot, rest_until)
 
     def _number(self, namespace: str) -> int:
         """The namespace's number, given it on first sight."""

@@ -1,7 +1,7 @@
 """The host index's storage by slot (see index.py for the layout and why): the key field
 each slot keeps, a batch of keys as the index compares them, the map from 64-bit digests to
-slots, and the stack of free slots. Bookkeeping rules live in index.py; nothing here knows
-of leases, policies or the published table."""
+slots, the stack of free slots and the slots resting before their next use. Bookkeeping
+rules live in index.py; nothing here knows of leases, policies or the published table."""
 
 from __future__ import annotations
 
@@ -169,3 +169,27 @@ class FreeSlots:
             raise ValueError(f"slot {slot} is not free")
         self._is_free[slot] = False
         self._count -= 1
+
+
+class RestingSlots:
+    """Slots kept out of use until a time of their own: a writer whose lease expired, or a
+    writer of an earlier agent process, may still be copying into them. The pool's index
+    rests pool slots, the host tier staging slots."""
+
+    def __init__(self) -> None:
+        self._until: list[tuple[float, int]] = []  # (until, slot)
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def add(self, slot: int, until: float) -> None:
+        self._until.append((until, slot))
+
+    def due(self, now: float) -> list[int]:
+        """Take out the slots whose rest is over at `now`, in the order they came."""
+        if not self._until:
+            return []
+        done = [slot for until, slot in self._until if until <= now]
+        if done:
+            self._until = [(until, slot) for until, slot in self._until if until > now]
+        return done

@@ -38,6 +38,7 @@ from kvtier.agent.host.events import EventBatch
 from kvtier.agent.host.index import Entry, HostIndex
 from kvtier.agent.host.policy import make_policy
 from kvtier.agent.host.resize import open_pool
+from kvtier.agent.host.slots import RestingSlots
 from kvtier.agent.report.metrics import AgentMetrics
 from kvtier.api.config import HostTierConfig
 from kvtier.api.pool_layout import (
@@ -93,9 +94,9 @@ class HostTier:
         self._lender = boot or 1  # any non-zero stamp marks a lent slot
         lent = self.staging.generations() != 0
         until = time.monotonic() + lease_seconds
-        self._staging_resting: list[tuple[float, int]] = [
-            (until, int(slot)) for slot in np.flatnonzero(lent)
-        ]  # (until, staging slot)
+        self._staging_resting = RestingSlots()
+        for slot in np.flatnonzero(lent).tolist():
+            self._staging_resting.add(slot, until)
         self._staging_free = [int(slot) for slot in np.flatnonzero(~lent)[::-1]]
         # A shrunk pool or staging area keeps its tail until then (see pool.trim).
         self._trim_at: float | None = until
@@ -305,7 +306,7 @@ class HostTier:
             if rest_until is None:
                 self._release_staging(staged)
             else:
-                self._staging_resting.append((rest_until, staged))
+                self._staging_resting.add(staged, rest_until)
 
     def _release_staging(self, staged: int) -> None:
         self.staging.set_generation(staged, 0)
@@ -348,11 +349,8 @@ class HostTier:
                 self._trim_at = None
                 trim(self.pool.path, self.pool.geometry)
                 trim(self.staging.path, self.staging.geometry)
-            if self._staging_resting:
-                for until, staged in self._staging_resting:
-                    if until <= now:
-                        self._release_staging(staged)
-                self._staging_resting = [(u, s) for u, s in self._staging_resting if u > now]
+            for staged in self._staging_resting.due(now):
+                self._release_staging(staged)
         if expired:
             log.warning("released %d expired leases", len(expired))
         if reclaimed:
