@@ -36,9 +36,9 @@ FAR = 1e12
 
 
 def store(index: HostIndex, *keys: bytes, client: str = "c") -> list[int]:
-    lease, slots, _ = index.allocate(client, "ns", list(keys), 10, FAR)
-    index.commit(lease, client)
-    return slots
+    grant = index.allocate(client, "ns", list(keys), 10, FAR)
+    index.commit(grant.lease, client)
+    return grant.slots
 
 
 def test_uncommitted_chunk_is_not_readable(index: HostIndex) -> None:

@@ -57,7 +57,7 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Literal, NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -137,6 +137,16 @@ class Entry:
         assert checksum is not None, "only a sealed chunk has a full header"
         namespace, key = self.id
         return ChunkHeader(namespace, key, self.length, checksum)
+
+
+class Grant(NamedTuple):
+    """What a store or a load was granted: the lease (0 when no slot was), per key a slot or
+    the code saying why none (`StoreCode` for a store, `Where.MISS` for a load), and each
+    granted slot's generation, the stamp it carries while the lease holds (0 for no slot)."""
+
+    lease: int
+    slots: list[int]
+    generations: list[int]
 
 
 @dataclass(eq=False)
@@ -320,9 +330,8 @@ class HostIndex:
         deadline: float,
         parents: list[bytes | None] | None = None,
         limit: int | None = None,
-    ) -> tuple[int, list[int], list[int]]:
-        """Reserve a slot per new key for `client` to write; returns (lease id, slots, the
-        granted slots' generations).
+    ) -> Grant:
+        """Reserve a slot per new key for `client` to write.
 
         Keys already held or being written get EXISTS/BUSY instead of a slot, so duplicate
         stores cost one round trip and no copy; new keys past the first `limit` get
@@ -337,7 +346,7 @@ class HostIndex:
         slots = self._place(batch, held, limit)
         granted = [i for i, slot in enumerate(slots) if slot >= 0]
         if not granted:
-            return 0, slots, [0] * len(keys)
+            return Grant(0, slots, [0] * len(keys))
         rows = np.array(granted, np.int64)
         taken = np.array([slots[i] for i in granted], np.int64)
         self._hold(taken, batch, rows, self._next_generation, length)
@@ -347,7 +356,7 @@ class HostIndex:
         generations = [0] * len(keys)
         for i, generation in zip(granted, self._generation[taken].tolist(), strict=True):
             generations[i] = generation
-        return self._new_lease(client, "store", taken, deadline), slots, generations
+        return Grant(self._new_lease(client, "store", taken, deadline), slots, generations)
 
     def _note_parents(
         self, namespace: str, keys: list[bytes], parents: list[bytes | None], slots: list[int]
@@ -414,20 +423,18 @@ class HostIndex:
 
     # --- load ----------------------------------------------------------------------------
 
-    def begin_load(
-        self, client: str, namespace: str, keys: list[bytes], deadline: float
-    ) -> tuple[int, list[int], list[int]]:
-        """Pin the ready chunks among `keys` for reading; MISS for the others. Returns the
-        lease, the slots and each granted slot's generation (0 for a miss)."""
+    def begin_load(self, client: str, namespace: str, keys: list[bytes], deadline: float) -> Grant:
+        """Pin the ready chunks among `keys` for reading; MISS for the others."""
         slots = self._ready_slots(namespace, keys)
         hit = slots >= 0
         pinned = slots[hit]
         generations = np.where(hit, self._generation[slots], 0)
         listed = np.where(hit, slots, int(Where.MISS)).tolist()
         if not pinned.size:
-            return 0, listed, generations.tolist()
+            return Grant(0, listed, generations.tolist())
         np.add.at(self._pins, pinned, 1)
-        return self._new_lease(client, "load", pinned, deadline), listed, generations.tolist()
+        lease = self._new_lease(client, "load", pinned, deadline)
+        return Grant(lease, listed, generations.tolist())
 
     def lease_bytes(self, lease_id: int) -> int:
         lease = self._leases.get(lease_id)

@@ -29,13 +29,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
 import xxhash
 
 from kvtier.agent.host.events import EventBatch
-from kvtier.agent.host.index import Entry, HostIndex
+from kvtier.agent.host.index import Entry, Grant, HostIndex
 from kvtier.agent.host.policy import make_policy
 from kvtier.agent.host.resize import open_pool
 from kvtier.agent.host.slots import RestingSlots
@@ -66,6 +67,17 @@ _SKIP_REASONS: dict[int, StoreSkip] = {
     StoreCode.STAGING_FULL: "staging",
 }
 COPY_BLOCK = 256 << 10  # copied then hashed while in cache
+
+
+class StoreGrant(NamedTuple):
+    """A store's `Grant` and, per key, the staging slot the client writes its chunk into
+    (-1 for none): the pool is read-only to clients, and a commit copies each staged chunk
+    into its pool slot. The grant's fields come first, in its order."""
+
+    lease: int
+    slots: list[int]
+    generations: list[int]
+    staging: list[int]
 
 
 class HostTier:
@@ -214,12 +226,11 @@ class HostTier:
         keys: list[bytes],
         nbytes: int,
         parents: list[bytes | None] | None = None,
-    ) -> tuple[int, list[int], list[int], list[int]]:
-        """Reserve a pool slot and a staging slot per new key: (lease, pool slots or codes,
-        generations, staging slots or -1). Keys past the staging slots free right now get
-        STAGING_FULL: the client stores them again once its earlier stores are committed.
-        `parents`: each key's predecessor in its request, noted for the prefix policy before
-        the store evicts anything."""
+    ) -> StoreGrant:
+        """Reserve a pool slot and a staging slot per new key. Keys past the staging slots
+        free right now get STAGING_FULL: the client stores them again once its earlier
+        stores are committed. `parents`: each key's predecessor in its request, noted for the
+        prefix policy before the store evicts anything."""
         if not 0 < nbytes <= self.geometry.payload_bytes:
             raise ValueError(
                 f"nbytes {nbytes} does not fit a slot of {self.geometry.payload_bytes} bytes; "
@@ -247,7 +258,7 @@ class HostTier:
         for slot in slots:
             if slot in _SKIP_REASONS:
                 self._skipped.add(_SKIP_REASONS[slot])
-        return lease, slots, generations, staging
+        return StoreGrant(lease, slots, generations, staging)
 
     def commit(self, lease: int, client: str) -> None:
         """Copy a store lease's staged chunks into their pool slots, checksumming each block
@@ -317,18 +328,16 @@ class HostTier:
             self._index.abort(lease, client)
             self._free_staging(lease)
 
-    def begin_load(
-        self, client: str, namespace: str, keys: list[bytes]
-    ) -> tuple[int, list[int], list[int]]:
+    def begin_load(self, client: str, namespace: str, keys: list[bytes]) -> Grant:
         """Lend the ready chunks among `keys` for reading. No check on the way: clients map
         the pool read-only, so a sealed chunk's bytes are the ones its checksum was made of
         (see the module's docstring)."""
         deadline = time.monotonic() + self.lease_seconds
         with self._lock:
-            lease, slots, generations = self._index.begin_load(client, namespace, keys, deadline)
-            nbytes = self._index.lease_bytes(lease)
+            grant = self._index.begin_load(client, namespace, keys, deadline)
+            nbytes = self._index.lease_bytes(grant.lease)
         self._load_bytes.inc(nbytes)
-        return lease, slots, generations
+        return grant
 
     def _altered(self, chunks: list[tuple[int, Entry]]) -> list[int]:
         """Which of these pinned chunks no longer match their checksum."""
