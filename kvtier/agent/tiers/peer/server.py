@@ -11,7 +11,6 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,8 +19,10 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from kvtier.agent.host.tier import LENDER, HostTier
+from kvtier.agent.report.registry import Registry
 from kvtier.agent.tiers.nixl_path import NixlPath, available
 from kvtier.agent.tiers.peer.directory import Directory
+from kvtier.agent.tiers.peer.membership import Membership
 from kvtier.agent.tiers.peer.wire import (
     Announce,
     Answer,
@@ -60,7 +61,11 @@ def _is_ip(host: str) -> bool:
 class PeerServer:
     """Serves other agents: directory requests and chunks from this agent's pool."""
 
-    def __init__(self, config: PeerTierConfig, host: HostTier) -> None:
+    def __init__(
+        self, config: PeerTierConfig, host: HostTier, registry: Registry, stale_after: float
+    ) -> None:
+        """`registry`: where the tier's members are listed; `stale_after`: seconds without a
+        heartbeat after which a member counts as gone."""
         self.config = config
         self.host = host
         self.directory = Directory(config.announce_ttl_seconds)
@@ -90,9 +95,10 @@ class PeerServer:
         self._sending: list[tuple[zmq.MessageTracker, int, int]] = []  # (tracker, lease, slots)
         self.refused = 0
         self.refused_requests = 0  # naming a non-member, or a non-member's request
-        # Set by the peer tier, which follows the tier's membership; until then, nobody.
-        self.is_member: Callable[[str], bool] = lambda endpoint: False
-        self.members: Callable[[], frozenset[str]] = frozenset
+        # Who may ask and be named here: the tier's members, which the peer tier follows too.
+        self.membership = Membership(
+            self.endpoint, registry, self.keys, stale_after, config.membership_seconds
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvtier-peers", daemon=True)
         self._thread.start()
@@ -151,7 +157,7 @@ class PeerServer:
     def _from_member(self, endpoint: str, address: str) -> bool:
         """Whether `endpoint` is a live member of the tier and the request came from its
         host (the connection's address), so a keyed process cannot pass as another agent."""
-        if not self.is_member(endpoint):
+        if not self.membership.is_member(endpoint):
             return False
         host = urlsplit(endpoint).hostname if endpoint.startswith("tcp://") else None
         return host is None or host == address or not _is_ip(host)
@@ -163,14 +169,17 @@ class PeerServer:
     def _handle(self, request: PeerRequest) -> bytes | None:
         """The reply to a request; None for one-way messages. Entries naming a holder that is
         not a live member are refused (nobody is sent to an address outside the tier)."""
-        if isinstance(request, Announce | Withdraw) and not self.is_member(request.holder):
+        members = self.membership
+        if isinstance(request, Announce | Withdraw) and not members.is_member(request.holder):
             self._refuse(f"holder {request.holder[:200]!r} is not a member")
         elif isinstance(request, Announce):
             self.directory.announce(request.namespace, request.keys, request.holder)
         elif isinstance(request, Withdraw):
             self.directory.withdraw(request.namespace, request.keys, request.holder)
         elif isinstance(request, WhoHas):
-            return encode(self.directory.holders(request.namespace, request.keys, self.members()))
+            return encode(
+                self.directory.holders(request.namespace, request.keys, members.member_set)
+            )
         elif isinstance(request, Holds):
             missing = set(self.host.missing(request.namespace, request.keys))
             return encode([key not in missing for key in request.keys])

@@ -12,8 +12,8 @@ overloaded node sheds load instead of queueing it. With a CURVE key directory, b
 authenticate with the cluster's key pair and a peer without it is refused.
 
 This module holds the directory traffic (announcements, withdrawals, lookups); membership,
-connections and reads have modules of their own (`peer_membership`, `peer_connection`,
-`peer_reads`), and the serving side is `peer_server`.
+connections and reads have modules of their own (`membership`, `connection`, `reads`), and
+the serving side is `server`.
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ import time
 
 import msgspec
 
-from kvtier.agent.report.registry import Registry
 from kvtier.agent.tiers.base import CorruptChunk, SecondaryTier, TierUsage
 from kvtier.agent.tiers.factory import TierContext
 from kvtier.agent.tiers.peer.connection import Connection, Connections, call_all
 from kvtier.agent.tiers.peer.directory import homes
-from kvtier.agent.tiers.peer.membership import Membership
 from kvtier.agent.tiers.peer.reads import Holders, Reader
 from kvtier.agent.tiers.peer.server import PeerServer
 from kvtier.agent.tiers.peer.wire import Announce, Holds, WhoHas, Withdraw, decode_holders
@@ -44,24 +42,14 @@ ANNOUNCE_BATCH = 4096  # keys per announcement message (re-announcing a whole po
 class PeerTier(SecondaryTier):
     kind = "peer"
 
-    def __init__(
-        self,
-        name: str,
-        config: PeerTierConfig,
-        registry: Registry,
-        server: PeerServer,
-        stale_after: float,
-    ) -> None:
-        """`stale_after`: seconds without a heartbeat after which an agent counts as gone."""
+    def __init__(self, name: str, config: PeerTierConfig, server: PeerServer) -> None:
+        """`server`: what answers other agents from this agent's pool, and follows the
+        tier's membership, which this side uses too."""
         super().__init__(name)
         self.config = config
         self.server = server
         self.me = server.endpoint
-        self.membership = Membership(
-            self.me, registry, server.keys, stale_after, config.membership_seconds
-        )
-        server.is_member = self.membership.is_member
-        server.members = lambda: self.membership.member_set
+        self.membership = server.membership
         self._connections = Connections(
             server.keys, self.membership.server_key, config.timeout_seconds
         )
@@ -303,10 +291,10 @@ def build_peer_tier(name: str, config: PeerTierConfig, context: TierContext) -> 
     authenticated channel, never into a resource)."""
     registry = context.registry
     assert registry is not None  # the config model requires a report target for peers
-    server = PeerServer(config, context.host)
-    registry.endpoint = server.endpoint
-    registry.curve_key = server.curve_key
     # three missed heartbeats, and never under the floor: heartbeats are stamped by other
     # nodes' clocks, in whole seconds
     stale_after = max(config.stale_floor_seconds, 3 * context.report_interval)
-    return PeerTier(name, config, registry, server, stale_after)
+    server = PeerServer(config, context.host, registry, stale_after)
+    registry.endpoint = server.endpoint
+    registry.curve_key = server.curve_key
+    return PeerTier(name, config, server)
