@@ -465,6 +465,12 @@ class HostIndex:
         self._make_ready(header.namespace, [slot])
         return entry
 
+    def holds(self, entry: Entry) -> bool:
+        """Whether `entry`'s slot still holds its chunk, sealed: the slot has not gone to
+        another chunk (a new generation), nor been vacated, since the entry was read."""
+        slot = entry.slot
+        return bool(self._state[slot] == _SEALED and self._generation[slot] == entry.generation)
+
     def remove(self, entry: Entry) -> None:
         """Drop a ready, unpinned chunk (it failed verification, or was deleted)."""
         slot = entry.slot

@@ -67,6 +67,8 @@ _SKIP_REASONS: dict[int, StoreSkip] = {
     StoreCode.STAGING_FULL: "staging",
 }
 COPY_BLOCK = 256 << 10  # copied then hashed while in cache
+# A sealed chunk to check again: its entry, length and checksum, read under the lock.
+_Check = tuple[Entry, int, int]
 
 
 class StoreGrant(NamedTuple):
@@ -339,10 +341,6 @@ class HostTier:
         self._load_bytes.inc(nbytes)
         return grant
 
-    def _altered(self, chunks: list[tuple[int, Entry]]) -> list[int]:
-        """Which of these pinned chunks no longer match their checksum."""
-        return [i for i, e in chunks if checksum(self.payload(e)) != e.checksum]
-
     def end_load(self, lease: int, client: str) -> None:
         with self._lock:
             self._index.end_load(lease, client)
@@ -436,20 +434,36 @@ class HostTier:
 
     def reverify(self, namespace: str, keys: list[bytes]) -> int:
         """Check these chunks against their checksums again (a peer received one damaged)
-        and drop those that fail, so no client is served them; returns how many went."""
+        and drop those that fail, so no client is served them; returns how many went.
+
+        The checksums run without the lock, so stores and lookups go on meanwhile; a chunk
+        that failed is dropped only if its slot still holds it (the same generation, still
+        sealed) when they are done: a slot that went to another chunk meanwhile failed
+        because its bytes changed, and the other chunk is left alone."""
         with self._lock:
-            held = self._index.entries(namespace, keys)
-            sealed = [
-                (i, e) for i, e in enumerate(held) if e is not None and e.checksum is not None
+            checks = [
+                (e, e.length, e.checksum)
+                for e in self._index.entries(namespace, keys)
+                if e is not None and e.checksum is not None
             ]
-            damaged = [
-                held[i] for part in self._copiers.map(self._altered, _split(sealed)) for i in part
-            ]
-            for entry in damaged:
-                assert entry is not None
+        failed = [e for part in self._copiers.map(self._altered, _split(checks)) for e in part]
+        damaged = 0
+        with self._lock:
+            for entry in failed:
+                if not self._index.holds(entry):
+                    continue
                 self._index.remove(entry)
                 self._count_corrupt(f"slot {entry.slot} of {namespace}: a peer received it damaged")
-        return len(damaged)
+                damaged += 1
+        return damaged
+
+    def _altered(self, checks: list[_Check]) -> list[Entry]:
+        """The chunks whose bytes no longer match the checksum they were sealed with."""
+        return [
+            entry
+            for entry, length, digest in checks
+            if checksum(self.pool.payload(entry.slot, length).data) != digest
+        ]
 
     def missing(self, namespace: str, keys: list[bytes]) -> list[bytes]:
         with self._lock:
@@ -540,7 +554,7 @@ class HostTier:
         m.used_bytes.labels(TIER).set_function(lambda: self._index.chunks * g.payload_bytes)
 
 
-def _split(items: list[tuple[int, Entry]]) -> list[list[tuple[int, Entry]]]:
+def _split(items: list[_Check]) -> list[list[_Check]]:
     """One share per core: a task per chunk would cost more than checking a small chunk."""
     parts = min(len(items), os.cpu_count() or 1)
     return [items[i::parts] for i in range(parts)] if parts else []
