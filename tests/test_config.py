@@ -48,7 +48,27 @@ def test_capacity_must_be_positive(scratch: Path, capacity: Any) -> None:
 
 
 def test_zero_chunk_refused(scratch: Path) -> None:
-    assert "host.chunkBytes must be positive" in refuse(config_data(scratch, chunkBytes=0))
+    message = refuse(config_data(scratch, chunkBytes=0))
+    assert "host.chunkBytes must be positive (got 0)" in message
+    assert "fix: write the size of one vLLM offload row" in message
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "fix"),
+    [
+        ("filesystem", {"path": "/mnt/kv"}, "write a positive size such as 100Gi"),
+        ("objectStore", {"bucket": "kv-cache"}, "write a positive size such as 1Ti"),
+    ],
+)
+def test_a_tier_of_no_capacity_is_refused_by_its_place_with_the_fix(
+    scratch: Path, kind: str, fields: dict[str, Any], fix: str
+) -> None:
+    data = config_data(scratch)
+    fast = {"name": "fast", "filesystem": {"path": "/mnt/fast", "capacity": "1Gi"}}
+    data["tiers"] = [fast, {"name": "slow", kind: {**fields, "capacity": "-1Gi"}}]
+    message = refuse(data)
+    assert f"tiers.1.{kind}.capacity must be positive (got {-(1 << 30)}); fix: {fix}" in message
+    assert "tiers.0" not in message
 
 
 def test_slot_larger_than_pool_refused(scratch: Path) -> None:

@@ -8,6 +8,7 @@ it in `kubectl logs` of a crash-looping agent, far from the YAML that caused it.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -27,11 +28,14 @@ from kvtier.api.units import format_bytes, parse_bytes
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
 
-# Fixes for the errors pydantic words itself; our own validators put the fix in the message.
+# Fixes for the errors pydantic words itself (a tier's fields under the tier's kind, whatever
+# its position); our own validators put the fix in the message.
 _FIXES = {
     "host.policy": "use one of: lru, arc, prefix",
     "host.capacity": "write a positive size such as 4Gi",
     "host.chunkBytes": "write the size of one vLLM offload row, such as 2Mi",
+    "filesystem.capacity": "write a positive size such as 100Gi",
+    "objectStore.capacity": "write a positive size such as 1Ti",
     "leaseTimeoutSeconds": "use a positive number of seconds, such as 30",
     "metrics.port": "use a port from 0 (any free port) to 65535",
 }
@@ -54,8 +58,10 @@ class _Model(BaseModel):
 class HostTierConfig(_Model):
     """The node-wide shared-memory pool every engine on the node reads and writes."""
 
-    capacity: ByteSize = Field(description="Total bytes of the pool, headers included.")
-    chunk_bytes: ByteSize = Field(description="Bytes of one KV chunk row, the slot payload size.")
+    capacity: ByteSize = Field(gt=0, description="Total bytes of the pool, headers included.")
+    chunk_bytes: ByteSize = Field(
+        gt=0, description="Bytes of one KV chunk row, the slot payload size."
+    )
     policy: Literal["lru", "arc", "prefix"] = Field(default="lru", description="Eviction policy.")
     pool_dir: Path = Field(
         default=Path("/dev/shm/kvtier"), description="Directory of the pool file (a tmpfs)."
@@ -66,16 +72,6 @@ class HostTierConfig(_Model):
 
     @model_validator(mode="after")
     def _sizes(self) -> HostTierConfig:
-        if self.capacity <= 0:
-            raise ValueError(
-                f"host.capacity must be positive (got {self.capacity}); "
-                "fix: write a size such as 4Gi"
-            )
-        if self.chunk_bytes <= 0:
-            raise ValueError(
-                f"host.chunkBytes must be positive (got {self.chunk_bytes}); "
-                "fix: write the size of one vLLM offload row, such as 2Mi"
-            )
         if self.slot_count < 1:
             slot = SLOT_HEADER_BYTES + slot_payload_bytes(self.chunk_bytes)
             raise ValueError(
@@ -98,7 +94,7 @@ class FilesystemTierConfig(_Model):
     """A directory, possibly shared between nodes (NFS, CephFS, Lustre, a PVC)."""
 
     path: Path = Field(description="Mounted directory that holds the tier's files.")
-    capacity: ByteSize = Field(description="Bytes this tier may hold.")
+    capacity: ByteSize = Field(gt=0, description="Bytes this tier may hold.")
     high_watermark: float = Field(default=0.9, gt=0, le=1, description="Evict above this share.")
     low_watermark: float = Field(default=0.8, gt=0, lt=1, description="Evict down to this share.")
     fsync: bool = Field(default=True, description="fsync each file before publishing it.")
@@ -112,11 +108,6 @@ class FilesystemTierConfig(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> FilesystemTierConfig:
-        if self.capacity <= 0:
-            raise ValueError(
-                f"filesystem.capacity must be positive (got {self.capacity}); "
-                "fix: write a size such as 100Gi"
-            )
         if self.low_watermark >= self.high_watermark:
             raise ValueError(
                 f"filesystem.lowWatermark ({self.low_watermark}) must be below highWatermark "
@@ -132,7 +123,7 @@ class ObjectStoreTierConfig(_Model):
     bucket: str = Field(min_length=3, max_length=63)
     prefix: str = Field(default="", description="Key prefix inside the bucket.")
     region: str = "us-east-1"
-    capacity: ByteSize = Field(description="Bytes this tier may hold.")
+    capacity: ByteSize = Field(gt=0, description="Bytes this tier may hold.")
     credentials_dir: Path | None = Field(
         default=None,
         description="Directory with files accessKeyId and secretAccessKey (a mounted Secret); "
@@ -144,15 +135,6 @@ class ObjectStoreTierConfig(_Model):
     negative_cache_seconds: float = Field(
         default=2.0, ge=0, description="How long a key found absent is not asked for again."
     )
-
-    @model_validator(mode="after")
-    def _check(self) -> ObjectStoreTierConfig:
-        if self.capacity <= 0:
-            raise ValueError(
-                f"objectStore.capacity must be positive (got {self.capacity}); "
-                "fix: write a size such as 1Ti"
-            )
-        return self
 
 
 class PeerTierConfig(_Model):
@@ -401,8 +383,10 @@ def _describe(error: Any) -> str:
         return f"{path}: unknown field; fix: remove it or check its spelling"
     if error["type"] == "missing":
         return f"{path}: required field is missing; fix: add it"
-    fix = _FIXES.get(path)
+    fix = _FIXES.get(path) or _FIXES.get(re.sub(r"^tiers\.\d+\.", "", path))
     got = f" (got {error['input']!r})" if "input" in error else ""
+    if error["type"] == "greater_than" and error.get("ctx", {}).get("gt") == 0:
+        return f"{path} must be positive{got}" + (f"; fix: {fix}" if fix else "")
     return f"{path}: {message}{got}" + (f"; fix: {fix}" if fix else "")
 
 
