@@ -12,7 +12,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvtier-installed
 
-.PHONY: demo test lint bench e2e image clean vllm-env
+.PHONY: demo test lint docs bench e2e image clean vllm-env
 
 $(STAMP): pyproject.toml requirements/base.txt requirements/dev.txt requirements/nixl.txt tools/fetch_helm.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy -p kvtier
+
+# The docs site (mkdocs.yml): MkDocs and its theme only, so it builds without the rest of
+# .venv; --strict fails on a link to a missing page or anchor. Writes .scratch/site.
+DOCS_STAMP := $(VENV)/.kvtier-docs-installed
+$(DOCS_STAMP): requirements/docs.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements/docs.txt
+	touch $@
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir .scratch/site
 
 # The kvtier image, built offline from a Debian root filesystem and verified by running it
 # (root; installs podman, runc, skopeo and debootstrap when missing). Also builds the
