@@ -7,7 +7,7 @@ API server can play run against it (tests/kube_api.py: field management, server-
 the status subresource, finalizers; served over TLS with the CA and a client certificate
 inlined in the kubeconfig, so every client logs in as on a kubeadm or kind cluster), and the
 rest are skipped naming why: only a real API server (and its controllers) can show them. The
-README's conformance table says which scenario runs where.
+The conformance table in docs/operator.md says which scenario runs where.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from tests.operator_process import running_operator, wait_for
 REPO = Path(__file__).resolve().parents[1]
 REAL = bool(os.environ.get("KUBECONFIG"))
 real_only = pytest.mark.skipif(
-    not REAL, reason="real API server only: KUBECONFIG names no cluster (see the README table)"
+    not REAL, reason="real API server only: KUBECONFIG names no cluster (docs/operator.md)"
 )
 NAME = "conformance"
 AGENT = f"kvtier-{NAME}"

@@ -9,7 +9,7 @@ removes fields the same manager applied last time but no longer does, when nobod
 them; any other write (create, merge or strategic patch, JSON patch) is an Update that takes
 ownership of the fields it changed, and never conflicts.
 
-Gaps against a real server (listed in the README too): which lists are associative comes from
+Gaps against a real server (listed in docs/operator.md too): which lists are associative comes from
 a fixed table (a real server reads the OpenAPI schema's list types and patch merge keys);
 removed fields are deleted, never reset to a schema default; an emptied parent map is dropped.
 """

@@ -102,7 +102,7 @@ FS_TIER_CASES = {
     "after scheduler steps: passes: test_tier_contract::test_stores_reach_vllm_as_events",
     "test_store_event_uses_configured_locality": FS_ONLY
     + "expects None when no locality is configured; kvtier's is LOCAL (the node's memory "
-    "is the engine's node's; README, vLLM integration): "
+    "is the engine's node's; docs/plugin.md): "
     "passes: test_tier_contract::test_stores_reach_vllm_as_events",
     "test_load_job_emits_no_event": FS_ONLY
     + "takes events without a scheduler step, after which kvtier fetches them, so it "
