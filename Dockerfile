@@ -12,7 +12,8 @@ COPY . .
 RUN pip wheel --no-cache-dir ${PIP_OPTIONS} --wheel-dir /wheels -r requirements/base.txt \
  && pip wheel --no-cache-dir ${PIP_OPTIONS} --no-deps --wheel-dir /wheels . \
  && pip download --no-cache-dir ${PIP_OPTIONS} --no-deps --dest /wheels/nixl \
-        -r requirements/nixl.txt
+        -r requirements/nixl.txt \
+ && python tools/plugin_payload.py /src /plugin
 
 FROM ${BASE}
 ARG VERSION=0.1.0
@@ -27,12 +28,11 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --no-compile /wheels/*.whl \
  && pip install --no-cache-dir --no-index --no-deps --no-compile /wheels/nixl/*.whl \
  && rm -rf "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nixl_ep_cu12" \
- && mkdir -p /opt/kvtier/plugin \
- && cp -r "$(python -c 'import kvtier, os; print(os.path.dirname(kvtier.__file__))')" \
-          /opt/kvtier/plugin/ \
- && rm -rf /opt/kvtier/plugin/kvtier/demo_engines \
  && groupadd --gid 65532 kvtier \
  && useradd --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin kvtier
+# The plug-in payload (tools/plugin_payload.py: the plug-in's packages only, none of the agent,
+# operator, CSI plugin or CLI), made in the build stage from the same source as the wheel.
+COPY --from=build /plugin /opt/kvtier/plugin
 USER 65532:65532
 ENTRYPOINT ["kvtier"]
 CMD ["--help"]

@@ -84,11 +84,11 @@ rootfs() {
   # NIXL's expert-parallel kernels are torch extensions, unusable in this torch-free image.
   rm -rf "$root"/opt/kvtier/venv/lib/python3*/site-packages/nixl_ep_cu12
   rm -rf "$root/tmp/wheels"
+  # The plug-in payload, from the kvtier just installed there: the plug-in's packages only
+  # (tools/plugin_payload.py), as the Dockerfile makes it from its source.
   local site
-  site=$(chroot "$root" /opt/kvtier/venv/bin/python -c 'import kvtier, os; print(os.path.dirname(kvtier.__file__))')
-  mkdir -p "$root/opt/kvtier/plugin"
-  cp -r "$root$site" "$root/opt/kvtier/plugin/"
-  rm -rf "$root/opt/kvtier/plugin/kvtier/demo_engines"  # the demo's, never a vLLM pod's
+  site=$(chroot "$root" /opt/kvtier/venv/bin/python -c 'import kvtier, os; print(os.path.dirname(os.path.dirname(kvtier.__file__)))')
+  "$PY" tools/plugin_payload.py "$root$site" "$root/opt/kvtier/plugin"
   chroot "$root" /usr/sbin/groupadd --gid 65532 kvtier
   chroot "$root" /usr/sbin/useradd --uid 65532 --gid 65532 --no-create-home \
     --shell /usr/sbin/nologin kvtier

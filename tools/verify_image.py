@@ -8,7 +8,6 @@ exits non-zero on the first failure."""
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import shutil
@@ -22,10 +21,37 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from plugin_payload import PACKAGES, SHIMS, payload_files, payload_modules
 
 UID = 65532
-# What a vLLM image does not have: the plug-in payload must import without them.
-NOT_IN_VLLM = ["kopf", "lightkube", "kubernetes", "boto3", "botocore", "grpc", "nixl_cu12"]
+REPO = Path(__file__).resolve().parents[1]
+PLUGIN_DIR = "/opt/kvtier/plugin"
+# What of kvtier's dependencies a vLLM image does not have (.venv-vllm, vLLM's own environment,
+# lacks them; grpc is there but the plug-in must not count on it): the payload imports without.
+NOT_IN_VLLM = [
+    "xxhash",
+    "boto3",
+    "botocore",
+    "kopf",
+    "jsonpatch",
+    "lightkube",
+    "kubernetes",
+    "grpc",
+    "nixl",
+    "nixl_cu12",
+]
+# Never in the payload: the parts that run outside vLLM.
+NOT_IN_PAYLOAD = [
+    "kvtier.agent.server",
+    "kvtier.operator",
+    "kvtier.csi",
+    "kvtier.cli",
+    "kvtier.demo",
+    "kvtier.bench",
+    "kvtier.traces",
+    "kvtier.local",
+    "kvtier.kube",
+]
 
 
 CLIENT = """
@@ -217,39 +243,89 @@ def _operator_without_cluster(image: str) -> None:
     )
 
 
+# Lists the payload's files; then imports each of its modules with what vLLM's image lacks
+# (vLLM itself included: this image has none) unimportable, and tries what must be absent.
+PAYLOAD_CHECK = """
+import importlib, json, os, sys
+root, modules, blocked, absent = json.loads(sys.argv[1])
+files = sorted(
+    os.path.relpath(os.path.join(d, f), root)
+    for d, _, names in os.walk(root) for f in names
+)
+for name in blocked:
+    sys.modules[name] = None
+sys.path.insert(0, root)
+failed, needs_vllm, reachable = [], [], []
+for name in modules:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name == "vllm" or (exc.name or "").startswith("vllm."):
+            needs_vllm.append(name)
+        else:
+            failed.append(f"{name}: {exc!r}")
+    except BaseException as exc:
+        failed.append(f"{name}: {exc!r}")
+for name in absent:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if not (exc.name and (name == exc.name or name.startswith(exc.name + "."))):
+            reachable.append(name)
+    except BaseException:
+        reachable.append(name)
+    else:
+        reachable.append(name)
+outside = sorted(
+    f"{n}: {getattr(m, '__file__', None)}"
+    for n, m in sys.modules.items()
+    if m is not None and (n == "kvtier" or n.startswith("kvtier."))
+    and not (getattr(m, "__file__", None) or "").startswith(root + os.sep)
+)
+print(json.dumps({"files": files, "failed": failed, "needs_vllm": needs_vllm,
+                  "reachable": reachable, "outside": outside}))
+"""
+
+
 def _plugin_payload(image: str) -> None:
-    """The plug-in's own imports, with what vLLM's image lacks made unimportable."""
-    found = podman(
-        "run", "--rm", "--entrypoint", "cat", image, "/opt/kvtier/plugin/kvtier/vllm/tier.py"
-    )
-    check("plug-in payload at /opt/kvtier/plugin", found.returncode == 0)
-    modules = sorted(
-        {
-            node.module
-            for node in ast.walk(ast.parse(found.stdout))
-            if isinstance(node, ast.ImportFrom)
-            and (node.module or "").startswith("kvtier")
-            # the plug-in's own parts import vLLM itself, which only a vLLM image has
-            and not (node.module or "").startswith("kvtier.vllm")
-        }
-    )
-    code = (
-        "import sys\n"
-        f"for name in {NOT_IN_VLLM!r}: sys.modules[name] = None\n"
-        "sys.path.insert(0, '/opt/kvtier/plugin')\n"
-        f"for name in {modules!r}: __import__(name)\n"
-        "import kvtier; assert kvtier.__file__.startswith('/opt/kvtier/plugin'), kvtier.__file__\n"
-    )
-    run = podman("run", "--rm", "--entrypoint", "python", image, "-c", code)
+    """The plug-in payload (tools/plugin_payload.py): exactly its files, none of the agent,
+    operator, CSI plugin, CLI or demo; its modules import with what vLLM's image lacks made
+    unimportable (those of the plug-in that import vLLM itself need only vLLM); nothing
+    outside it is reachable through it, though this image has all of kvtier installed."""
+    expected = [str(path) for path in payload_files(REPO)]
+    job = [PLUGIN_DIR, payload_modules(REPO), ["vllm", *NOT_IN_VLLM], NOT_IN_PAYLOAD]
+    args = ["--network=none", "--entrypoint", "python", image, "-c", PAYLOAD_CHECK]
+    run = podman("run", "--rm", *args, json.dumps(job))
+    check(f"plug-in payload at {PLUGIN_DIR}", run.returncode == 0, run.stderr.strip()[-300:])
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    extra = sorted(set(found["files"]) - set(expected))
+    missing = sorted(set(expected) - set(found["files"]))
     check(
-        f"plug-in imports ({', '.join(modules)}) need nothing vLLM lacks",
-        run.returncode == 0,
-        run.stderr.strip()[-300:],
+        f"it holds exactly tools/plugin_payload.py's {len(expected)} files "
+        f"({', '.join(PACKAGES + SHIMS)})",
+        not extra and not missing,
+        f"extra {extra[:8]}, missing {missing[:8]}",
     )
-    demo = podman(
-        "run", "--rm", "--entrypoint", "ls", image, "/opt/kvtier/plugin/kvtier/demo_engines"
+    check(
+        "its modules import with what vLLM's image lacks unimportable",
+        not found["failed"],
+        "; ".join(found["failed"])[-300:],
     )
-    check("the demo's engines are not in the plug-in payload", demo.returncode != 0)
+    vllm_side = sorted(
+        m
+        for m in found["needs_vllm"]
+        if not (m == "kvtier.vllm" or m.startswith("kvtier.vllm.") or m in SHIMS)
+    )
+    check(
+        "only the plug-in's own modules (kvtier.vllm, the old module path) need vLLM itself",
+        not vllm_side,
+        ", ".join(vllm_side),
+    )
+    check(
+        "the agent, operator, CSI plugin, CLI, demo and benchmarks are not reachable from it",
+        not found["reachable"] and not found["outside"],
+        ", ".join(found["reachable"] + found["outside"])[-300:],
+    )
 
 
 def verify_archive(path: Path, version: str, revision: str) -> None:
