@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.agent.host.index import HostIndex
-from kvtier.agent.host.policy import ARCPolicy, LRUPolicy, make_policy
+from kvtier.agent.host.policy import POLICIES, ARCPolicy, LRUPolicy, make_policy
+from kvtier.api.stats import PolicyStats
 
 
 def always(_chunk: object) -> bool:
@@ -168,6 +170,19 @@ def test_adaptive_follows_one_candidate_and_keeps_the_others_in_step() -> None:
     assert state["leader"] in ("lru", "prefix", "arc") and state["resident"] == 4
     assert [len(m) for m in policy.members] == [4, 4, 4]
     assert "a" in policy.members[0].t1  # the chunk used at every step stays, under any leader
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_each_policys_own_state_reaches_the_stats_reply(name: str) -> None:
+    policy = make_policy(name, 4)
+    for chunk in range(4):  # a slot, or a key, as the policy names chunks
+        policy.on_insert(chunk)
+    policy.on_hit(0)
+    described = policy.describe()
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(policy.stats()), type=PolicyStats)
+    assert (wire.policy, wire.resident) == (name, 4)
+    assert wire.state == {k: v for k, v in described.items() if k not in ("policy", "resident")}
+    assert wire.state  # every policy has figures of its own
 
 
 def test_lru_counts_children_past_sixteen_bits(monkeypatch: pytest.MonkeyPatch) -> None:

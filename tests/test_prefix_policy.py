@@ -200,10 +200,10 @@ def test_agent_learns_parents_from_store_requests(
     with AgentClient(agent.config.endpoint) as client:
         grant = client.allocate(NS, [key(0), key(1)], ROW)
         client.commit(grant.lease)
-        assert client.stats().host.policy.tree is False  # no parents yet: ARC
+        assert client.stats().host.policy.state["tree"] is False  # no parents yet: ARC
         grant = client.allocate(NS, [key(2), key(3)], ROW, [key(1), key(2)])
         client.commit(grant.lease)
-        assert client.stats().host.policy.tree is True
+        assert client.stats().host.policy.state["tree"] is True
         with pytest.raises(AgentRefused):
             client.allocate(NS, [key(4), key(5)], ROW, [key(3)])  # one parent for two keys
         assert client.lookup(NS, [key(i) for i in range(4)]).prefix == 4

@@ -120,21 +120,19 @@ class StoreSkips(msgspec.Struct, kw_only=True):
     staging: int = 0
 
 
+# One figure of a policy's own state: a count, a rate, a flag, a name, or scores by name.
+PolicyFigure = int | float | bool | str | dict[str, float]
+
+
 class PolicyStats(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """The eviction policy's state: its name and resident chunks, then what ARC (`p`, the
-    four lists' lengths) and the prefix policy (`tree`, `leaves`, `refused`) add."""
+    """The eviction policy's state: its name and resident chunks, which every policy has,
+    then the figures of its own under the names it gives them (`EvictionPolicy.describe`:
+    ARC's target `p` and lists' lengths, the prefix policy's leaves, `adaptive`'s leader
+    and scores, ...), so no policy's figures need a field here."""
 
     policy: str
     resident: int
-    p: float | None = None
-    t1: int | None = None
-    t2: int | None = None
-    b1: int | None = None
-    b2: int | None = None
-    tree: bool | None = None
-    leaves: int | None = None
-    refused: int | None = None
-    forced: int | None = None  # evictions of a chunk with resident children (leaves pinned)
+    state: dict[str, PolicyFigure] = msgspec.field(default_factory=dict)
 
 
 class HostStats(msgspec.Struct, kw_only=True):

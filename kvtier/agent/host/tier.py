@@ -31,7 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-import msgspec
 import numpy as np
 import xxhash
 
@@ -47,7 +46,7 @@ from kvtier.api.pool_layout import (
     pool_geometry,
     staging_geometry,
 )
-from kvtier.api.stats import HostStats, PolicyStats, StoreSkip, StoreSkips, Tally
+from kvtier.api.stats import HostStats, StoreSkip, StoreSkips, Tally
 from kvtier.client.protocol import StoreCode
 from kvtier.shm.chunk import ChunkHeader, SlotState, checksum
 from kvtier.shm.files import claim, close_directory
@@ -391,7 +390,7 @@ class HostTier:
                 index_published=self.table.entries,
                 index_collisions=self.table.collisions,
                 namespaces=dict(c.namespaces),
-                policy=msgspec.convert(self._index.policy.describe(), PolicyStats),
+                policy=self._index.policy.stats(),
             )
 
     def close(self) -> None:

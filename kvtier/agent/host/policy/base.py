@@ -10,6 +10,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, ClassVar
 
+import msgspec
+
+from kvtier.api.stats import PolicyFigure, PolicyStats
+
 ChunkId = Hashable
 
 
@@ -79,5 +83,12 @@ class EvictionPolicy(ABC):
         """Number of resident chunks."""
 
     def describe(self) -> dict[str, Any]:
-        """Policy state for stats and metrics."""
+        """Policy state for stats: its name and resident chunks, then figures of its own."""
         return {"policy": self.name, "resident": len(self)}
+
+    def stats(self) -> PolicyStats:
+        """`describe` as the agent's stats carry it."""
+        state = self.describe()
+        name, resident = state.pop("policy"), state.pop("resident")
+        figures = msgspec.convert(state, dict[str, PolicyFigure])
+        return PolicyStats(policy=name, resident=resident, state=figures)
