@@ -81,7 +81,7 @@ def export(endpoint: str, output: str, block_size: int, timeout: float = 10.0) -
 
 def main(args: Any) -> int:
     """Entry point of `kvtier trace` (flags parsed in kvtier.cli.main)."""
-    from kvtier.client.connection import AgentUnavailable
+    from kvtier.client.connection import AgentError
 
     endpoint = args.agent
     if endpoint is None:
@@ -94,7 +94,7 @@ def main(args: Any) -> int:
             return 2
     try:
         done = export(endpoint, args.output, args.block_size, args.timeout)
-    except AgentUnavailable as exc:
+    except AgentError as exc:
         hint = (
             " (an agent older than this kvtier keeps no access log)"
             if "AccessLog" in str(exc)

@@ -5,9 +5,10 @@ from its own buffers into the agent's staging area (the agent copies them into t
 commit) and straight out of the pool, which it maps read-only (numpy copies release the GIL,
 so several threads copy in parallel). Imports only numpy, pyzmq and msgspec, which vLLM has.
 
-Every call either answers within `timeout` or raises AgentUnavailable; the caller turns that
-into a cache miss. After a timeout the socket is rebuilt, so a late reply from a stalled
-agent can never be taken for the answer to a later request. Every OS error of connecting or
+Every call either answers within `timeout` or raises AgentUnavailable, which the caller
+turns into a cache miss (or AgentRefused, when the agent answered with an error). After a
+timeout the socket is rebuilt, so a late reply from a stalled agent can never be taken for
+the answer to a later request. Every OS error of connecting or
 mapping the pool is an AgentUnavailable too: a client that cannot reach the pool gets misses.
 
 Lookups of the host pool are answered in this process from the index the agent publishes
@@ -58,13 +59,19 @@ REPORT_KEYS = 65536  # ...or once this many keys wait
 ALIVE_SECONDS = 0.01  # per-key lookups test the agent's liveness at most this often
 
 
-class AgentUnavailable(ConnectionError):
+class AgentError(Exception):
+    """A call to the agent failed: either of the two below, for callers that handle both
+    alike."""
+
+
+class AgentUnavailable(AgentError, ConnectionError):
     """The agent did not answer in time, or its socket or pool cannot be reached; the
     caller treats it as a miss."""
 
 
-class AgentRefused(AgentUnavailable):
-    """The agent answered with an error: the request itself was wrong."""
+class AgentRefused(AgentError):
+    """The agent answered with an error: the request itself was wrong (or this client's
+    configuration is), so asking again will not help."""
 
 
 class LeaseLost(AgentUnavailable):
@@ -217,7 +224,7 @@ class AgentClient:
                     staging.close()
                 self.staging = _agents_own(PoolMap.open(staged), True)
                 self._boot = reply.boot
-        except (AgentUnavailable, _NotRegistered):
+        except (AgentError, _NotRegistered):
             raise
         except (OSError, ValueError) as exc:
             raise AgentUnavailable(
@@ -390,7 +397,7 @@ class AgentClient:
         if index is not None and not index.alive():
             return None  # the agent is gone: only a new one can say what the pool holds
         if self._drop_retired_index():
-            with contextlib.suppress(AgentUnavailable):
+            with contextlib.suppress(AgentError):
                 self.connect()
             index = self.index
         return index
@@ -571,7 +578,7 @@ class AgentClient:
                 ahead = None
         finally:
             if ahead is not None:  # leave no reply behind; the store failed anyway
-                with contextlib.suppress(AgentUnavailable):
+                with contextlib.suppress(AgentError):
                     self._commit_done(*ahead)
         return StoreResult(stored, skipped)
 

@@ -740,12 +740,12 @@ def _main_agent(args: Any, err: Any) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvtier.client.connection import AgentUnavailable
+    from kvtier.client.connection import AgentError
 
     try:
         trace = load_trace(args.trace, args.block_size, args.limit)
         report = replay_agent(trace, args.agent, parse_bytes(args.chunk_bytes), args.namespace)
-    except (OSError, ValueError, AgentUnavailable) as exc:
+    except (OSError, ValueError, AgentError) as exc:
         err.print(str(exc))
         return 2
     if args.json:

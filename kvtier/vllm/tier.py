@@ -44,7 +44,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier.api.fingerprint import describe, engine_fingerprint, with_hash_seed
-from kvtier.client.connection import AgentClient, AgentRefused, AgentUnavailable
+from kvtier.client.connection import AgentClient, AgentError, AgentRefused, AgentUnavailable
 from kvtier.shm.table import digest
 from kvtier.vllm.chains import PrefixChains
 from kvtier.vllm.events import EventFeed
@@ -243,9 +243,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
         try:
             client = self._connected()
             hits = client.lookup(self.namespace, [bytes(k) for k in keys], source).hits
-        except AgentUnavailable as exc:
-            self._client.disconnected()
-            self._set_available(False, str(exc))
+        except AgentError as exc:
+            self._lost(exc)
             return [False] * len(keys)
         self._set_available(True)
         self._record("counter", Metrics.LOOKUPS, len(keys))
@@ -379,7 +378,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
             work(job)
         except Exception as exc:
             log.exception("kvtier job %s failed unexpectedly", job.job_id)
-            self._job_failed(job, "load" if job.is_promotion else "store", exc)
+            self._lost(exc)
+            self._job_failed(job, "load" if job.is_promotion else "store")
 
     def _store(self, job: TransferJob) -> None:
         started = time.perf_counter()
@@ -394,8 +394,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
             rows = [self._rows[int(chunk)] for chunk in job.chunk_ids]
             # into the agent's staging area; it copies them into the pool and seals them
             result = client.store(self.namespace, keys, rows, parents)
+        except AgentRefused as exc:
+            self._refused("store", exc)
+            self._job_failed(job, "store")
+            return
         except AgentUnavailable as exc:
-            self._job_failed(job, "store", exc)
+            self._lost(exc)
+            self._job_failed(job, "store")
             return
         self._set_available(True)
         seconds = time.perf_counter() - started
@@ -416,8 +421,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
                 [self._rows[int(chunk)] for chunk in job.chunk_ids],
                 source_of(job.req_context),
             )
+        except AgentRefused as exc:
+            self._refused("load", exc)
+            self._job_failed(job, "load")
+            return
         except AgentUnavailable as exc:
-            self._job_failed(job, "load", exc)
+            self._lost(exc)
+            self._job_failed(job, "load")
             return
         self._set_available(True)
         # A chunk evicted, or its slot given to another chunk, during the copy is not loaded.
@@ -438,17 +448,21 @@ class KVTierSecondaryTier(SecondaryTierManager):
         assert self._events is not None
         try:
             self._events.poll(self._connected(), self.namespace)
-        except AgentUnavailable:
+        except AgentError:
             return
 
-    def _job_failed(self, job: TransferJob, op: str, exc: Exception) -> None:
-        if isinstance(exc, AgentRefused):
-            if str(exc) not in self._refusals:  # a configuration error: say it once
-                self._refusals.add(str(exc))
-                log.error("kvtier agent refused a %s: %s", op, exc)
-        else:
-            self._client.disconnected()
-            self._set_available(False, str(exc))
+    def _lost(self, exc: Exception) -> None:
+        """The agent did not answer: misses until it does (the next call says hello)."""
+        self._client.disconnected()
+        self._set_available(False, str(exc))
+
+    def _refused(self, op: str, exc: AgentRefused) -> None:
+        """A configuration error, not an outage: said once."""
+        if str(exc) not in self._refusals:
+            self._refusals.add(str(exc))
+            log.error("kvtier agent refused a %s: %s", op, exc)
+
+    def _job_failed(self, job: TransferJob, op: str) -> None:
         self._record("counter", Metrics.FAILED_JOBS, 1, (op,))
         self._jobs.finish(JobResult(job.job_id, False))
 

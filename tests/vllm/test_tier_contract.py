@@ -213,6 +213,30 @@ def test_store_then_lookup_hits_and_a_load_leaves_the_chunk(driver: Driver) -> N
     assert driver.lookup(keys, ReqContext(req_id="later")) == [HIT, HIT]
 
 
+def test_a_refused_store_is_said_once_and_is_no_outage(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: StartAgent,
+    engines: MakeEngine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An agent whose slots are smaller than vLLM's rows refuses every store: a configuration
+    error, logged once and counted per job, while the agent stays available."""
+    config = make_config(chunkBytes=ROW // 2)
+    agent_factory(config)
+    engine = engines(config)
+    driver = Driver(engine.tier, engine.rows)
+    said: list[str] = []
+    monkeypatch.setattr(plugin.log, "error", lambda message, *args: said.append(message % args))
+    for i in range(3):
+        assert not driver.store([chunk_key(i)], [i]).success
+    assert said and len(set(said)) == len(said) < 3, said  # each reason once
+    assert all("chunkBytes" in message for message in said)
+    assert driver.tier._available is not False
+    stats = engine.manager.get_stats()
+    assert stats is not None
+    assert stats.data["data"]["vllm:kvtier_failed_jobs"] == {("store",): 3}
+
+
 @pytest.mark.parametrize("batch", [0, 1, 2, 5])
 def test_store_load_data_integrity(driver: Driver, batch: int) -> None:
     """vLLM: test_store_load_data_integrity (batches of any size, the empty one included),
