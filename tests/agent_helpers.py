@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.agent.chunk import ChunkHeader
 from kvtier.api.stats import TierStats
 from kvtier.client.connection import AgentClient
 from kvtier.local import wait as polling
-from kvtier.shm.chunk import ChunkHeader
 from kvtier.shm.pool import PoolMap
 from tests.conftest import ROW
 from tests.helpers import NS, key, row

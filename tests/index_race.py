@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.agent.chunk import ChunkHeader
 from kvtier.client.connection import AgentClient, AgentUnavailable
-from kvtier.shm.chunk import ChunkHeader
 from kvtier.shm.pool import PoolMap
 from kvtier.shm.table import digest, digests
 from tests.helpers import NS, key, row

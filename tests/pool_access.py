@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.shm.chunk import ChunkHeader
+from kvtier.agent.chunk import ChunkHeader
 from kvtier.shm.pool import PoolMap, staging_path
 
 NOBODY = 65534

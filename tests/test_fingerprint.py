@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvtier.agent.chunk import CHUNK_VERSION
 from kvtier.agent.tiers.base import namespace_dir
 from kvtier.api import fingerprint
-from kvtier.shm.chunk import CHUNK_VERSION
 
 
 def test_chunk_format_version_is_the_agents() -> None:

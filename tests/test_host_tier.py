@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.agent.chunk import checksum
 from kvtier.agent.host.tier import HostTier, StoreGrant
 from kvtier.agent.report.metrics import AgentMetrics
 from kvtier.api.config import HostTierConfig
-from kvtier.shm.chunk import checksum
 from kvtier.shm.table import digests
 from tests.conftest import ROW
 from tests.helpers import NS, key, row

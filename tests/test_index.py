@@ -342,7 +342,7 @@ def test_slots_taken_by_a_restart_are_never_handed_out(ops: list[str]) -> None:
     """Slots a restart takes out of the free ones by name, in any order (adopting the
     chunks the pool holds, resting those a writer may still copy into), are never handed
     to a store while taken; no two chunks share a slot; the free count stays true."""
-    from kvtier.shm.chunk import ChunkHeader
+    from kvtier.agent.chunk import ChunkHeader
 
     index = HostIndex(16, make_policy("lru", 16))
     resting: set[int] = set()

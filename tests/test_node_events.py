@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvtier.agent.chunk import ChunkHeader, checksum
 from kvtier.agent.host.events import (
     ALL_NAMESPACES,
     POOL,
@@ -26,7 +27,6 @@ from kvtier.api.config import AgentConfig, FilesystemTierConfig, ObjectStoreTier
 from kvtier.client import protocol as p
 from kvtier.client.connection import AgentClient
 from kvtier.local.agent import AgentProcess
-from kvtier.shm.chunk import ChunkHeader, checksum
 from tests.agent_helpers import load_exact, store, wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, row

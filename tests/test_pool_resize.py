@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.agent.chunk import ChunkHeader, SlotState, checksum
 from kvtier.agent.host.resize import Opened, open_pool
 from kvtier.api.pool_layout import PoolGeometry
-from kvtier.shm.chunk import ChunkHeader, SlotState, checksum
 from kvtier.shm.pool import POOL_MODE, PoolMap, create, trim
 
 PAYLOAD = 8192

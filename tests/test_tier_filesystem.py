@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.agent.chunk import ChunkHeader, checksum
 from kvtier.agent.tiers.base import CorruptChunk, blob_path
 from kvtier.agent.tiers.filesystem import QUARANTINE, FilesystemTier
 from kvtier.api.config import FilesystemTierConfig
-from kvtier.shm.chunk import ChunkHeader, checksum
 from tests.helpers import NS, key, row
 
 ROW = 16 * 1024

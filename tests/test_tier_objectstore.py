@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from botocore.exceptions import BotoCoreError
 
+from kvtier.agent.chunk import ChunkHeader, checksum
 from kvtier.agent.tiers.base import CorruptChunk
 from kvtier.agent.tiers.objectstore import ObjectStoreTier
 from kvtier.api.config import ObjectStoreTierConfig
-from kvtier.shm.chunk import ChunkHeader, checksum
 from tests.conftest import free_port
 from tests.helpers import NS, key, row
 

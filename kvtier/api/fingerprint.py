@@ -28,7 +28,7 @@ from typing import Any
 # Bump when the fingerprint's content or the namespace's form changes: chunks stored under
 # an older fingerprint are then never found again (they age out through eviction).
 FINGERPRINT_VERSION = 2
-# kvtier.shm.chunk.CHUNK_VERSION; chunk.py needs xxhash, which vLLM's environment lacks,
+# kvtier.agent.chunk.CHUNK_VERSION; chunk.py needs xxhash, which vLLM's environment lacks,
 # so the value is repeated here and a test keeps the two equal.
 CHUNK_FORMAT_VERSION = 1
 

@@ -23,12 +23,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvtier.agent.chunk import ChunkHeader, checksum
 from kvtier.agent.tiers.filesystem import FilesystemTier
 from kvtier.agent.tiers.objectstore import ObjectStoreTier
 from kvtier.api.config import FilesystemTierConfig, ObjectStoreTierConfig
 from kvtier.bench.baseline import shared_buffer
 from kvtier.local.wait import port_open, wait_for
-from kvtier.shm.chunk import ChunkHeader, checksum
 from kvtier.shm.pool import Bytes
 
 MiB = 1 << 20

@@ -62,6 +62,7 @@ from typing import Literal, NamedTuple, cast
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.agent.chunk import ChunkHeader, SlotState
 from kvtier.agent.host.events import ChunkEvents
 from kvtier.agent.host.policy import ChunkId, EvictionPolicy
 from kvtier.agent.host.slots import (
@@ -76,7 +77,6 @@ from kvtier.agent.host.slots import (
     Slots,
 )
 from kvtier.client.protocol import StoreCode, Where
-from kvtier.shm.chunk import ChunkHeader, SlotState
 from kvtier.shm.table import U64, TableWriter
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.agent.chunk import ChunkHeader, SlotState
 from kvtier.api.pool_layout import PoolGeometry
-from kvtier.shm.chunk import ChunkHeader, SlotState
 from kvtier.shm.pool import (
     POOL_MODE,
     PoolMap,

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from kvtier.agent.chunk import ChunkHeader, SlotState, checksum
 from kvtier.agent.host.events import EventBatch
 from kvtier.agent.host.index import Entry, Grant, HostIndex
 from kvtier.agent.host.policy import make_policy
@@ -48,7 +49,6 @@ from kvtier.api.pool_layout import (
 )
 from kvtier.api.stats import HostStats, StoreSkip, StoreSkips, Tally
 from kvtier.client.protocol import StoreCode
-from kvtier.shm.chunk import ChunkHeader, SlotState, checksum
 from kvtier.shm.files import claim, close_directory
 from kvtier.shm.pool import open_staging, staging_path, trim
 from kvtier.shm.table import U64, TableWriter, index_path

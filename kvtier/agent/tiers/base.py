@@ -17,8 +17,8 @@ from typing import Generic, Protocol, TypeVar
 
 import xxhash
 
+from kvtier.agent.chunk import HEADER_BYTES, ChunkHeader, checksum
 from kvtier.api.stats import TierStats
-from kvtier.shm.chunk import HEADER_BYTES, ChunkHeader, checksum
 
 
 class CorruptChunk(Exception):

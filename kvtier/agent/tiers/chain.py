@@ -30,6 +30,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.host.events import RESIDENCY_OF_KIND, NodeEvents
 from kvtier.agent.host.index import Entry
 from kvtier.agent.host.tier import HostTier
@@ -39,7 +40,6 @@ from kvtier.agent.tiers.factory import TierContext, build_tier
 from kvtier.api.config import TierConfig
 from kvtier.api.stats import Tally, TierCount, TierCounts, TierStats
 from kvtier.client.protocol import Where
-from kvtier.shm.chunk import ChunkHeader
 
 log = logging.getLogger("kvtier.agent.tiers.chain")
 

@@ -28,10 +28,10 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.agent.chunk import CHUNK_VERSION, ChunkHeader
 from kvtier.agent.tiers.base import HEADER_BYTES, BlobTier, CorruptChunk, TierUsage, namespace_dir
 from kvtier.api.config import FilesystemTierConfig
 from kvtier.api.pool_layout import PAGE
-from kvtier.shm.chunk import CHUNK_VERSION, ChunkHeader
 
 log = logging.getLogger("kvtier.agent.tiers.filesystem")
 

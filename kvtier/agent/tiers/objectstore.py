@@ -20,9 +20,9 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.tiers.base import HEADER_BYTES, BlobTier, CorruptChunk, TierUsage
 from kvtier.api.config import ObjectStoreTierConfig
-from kvtier.shm.chunk import ChunkHeader
 
 log = logging.getLogger("kvtier.agent.tiers.objectstore")
 

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.tiers.base import CorruptChunk, check_blob, check_payload
 from kvtier.agent.tiers.peer.connection import Connection, Connections
 from kvtier.agent.tiers.peer.server import PeerServer
@@ -29,7 +30,6 @@ from kvtier.agent.tiers.peer.wire import (
     decode_loan,
 )
 from kvtier.api.stats import PeerCount
-from kvtier.shm.chunk import ChunkHeader
 
 log = logging.getLogger("kvtier.agent.peers")
 HOLDER_CACHE = 65536

@@ -18,6 +18,7 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.host.tier import LENDER, HostTier
 from kvtier.agent.report.registry import Registry
 from kvtier.agent.tiers.nixl_path import NixlPath, available
@@ -45,7 +46,6 @@ from kvtier.agent.tiers.peer.wire import (
     load_keys,
 )
 from kvtier.api.config import PeerTierConfig
-from kvtier.shm.chunk import ChunkHeader
 
 log = logging.getLogger("kvtier.agent.peers")
 

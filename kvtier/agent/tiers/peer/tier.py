@@ -24,6 +24,7 @@ import time
 
 import msgspec
 
+from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.tiers.base import CorruptChunk, SecondaryTier, TierUsage
 from kvtier.agent.tiers.factory import TierContext
 from kvtier.agent.tiers.peer.connection import Connection, Connections, call_all
@@ -33,7 +34,6 @@ from kvtier.agent.tiers.peer.server import PeerServer
 from kvtier.agent.tiers.peer.wire import Announce, Holds, WhoHas, Withdraw, decode_holders
 from kvtier.api.config import PeerTierConfig
 from kvtier.api.stats import PeerCount, PeerCounts, Tally, TierStats
-from kvtier.shm.chunk import ChunkHeader
 
 log = logging.getLogger("kvtier.agent.peers")
 ANNOUNCE_BATCH = 4096  # keys per announcement message (re-announcing a whole pool)
