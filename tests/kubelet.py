@@ -47,6 +47,7 @@ import grpc
 
 from kvtier.csi.messages import message
 from tests.container_start import MS_BIND, MS_PRIVATE, MS_SHARED, _mount
+from tests.payload_tool import payload_tool
 
 Manifest = dict[str, Any]
 REPO = Path(__file__).resolve().parents[1]
@@ -382,8 +383,13 @@ class Kubelet:
             for d in (Path("/usr"), Path("/etc/ssl"), Path(sys.base_prefix), Path(sys.prefix), REPO)
             if d.is_dir()
         ]
-        # The plug-in payload, where the Dockerfile puts it for the webhook's init container.
-        binds.append({"source": str(REPO / "kvtier"), "inside": PLUGIN_PAYLOAD, "readOnly": True})
+        # The plug-in payload, made and placed as the Dockerfile does for the webhook's init
+        # container: the plug-in's packages only.
+        payload = self.root / "image" / "plugin"
+        if not payload.exists():
+            payload_tool().copy_payload(REPO, payload)
+        plugin = {"source": str(payload / "kvtier"), "inside": PLUGIN_PAYLOAD, "readOnly": True}
+        binds.append(plugin)
         links = {}
         for top in ("bin", "lib", "lib64", "sbin"):
             path = Path("/", top)

@@ -1,11 +1,12 @@
-"""The direction of imports (docs/architecture.md), checked on the source so that a change
-that breaks it fails here, not in a vLLM pod or an agent container.
+"""The folder rules (docs/architecture.md), checked on the source so that a change that breaks
+them fails here, not in a vLLM pod or an agent container.
 
-- Of kvtier, the agent imports only itself, the shared Kubernetes client and the version: it
-  runs in its own container and its plug-in runs inside vLLM.
-- The operator never imports the CLIs, the demo, the benchmarks, replay, plan or the CSI
-  plugin.
-- The vLLM plug-in imports only what vLLM's environment has.
+- The plug-in's packages (`api`, `shm`, `client`, `vllm`: exactly what the plug-in payload
+  ships, `tools/plugin_payload.py`) import only each other, each only those below it, and
+  of the rest only the standard library and what a vLLM image has.
+- Each other part imports only the parts its row of `MAY_IMPORT` names: the agent never the
+  operator, the CSI plugin or the commands; the operator and the CSI plugin only the shared
+  contracts and the Kubernetes client; nothing imports `demo/` or `bench/` but the CLI.
 - Nothing in the product imports, or runs as a module, the tests, e2e scenarios or tools.
 - No module but the host tier takes the host tier's lock or reads its index: the others use
   its narrow interface (`HostTier.subscribe`, `pin_locked`, `events_since`, ...).
@@ -24,36 +25,51 @@ from pathlib import Path
 
 import pytest
 
+from tests.payload_tool import payload_tool
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvtier"
 HARNESS = ("tests", "e2e", "tools")
-# Of kvtier, the agent imports only itself, the shared Kubernetes client and the version.
-AGENT_MAY_IMPORT = (
-    "kvtier.agent",
-    "kvtier.api",
-    "kvtier.shm",
-    "kvtier.client",
-    "kvtier.vllm",
-    "kvtier.kube",
-    "kvtier.__version__",
-)
-OPERATOR_MAY_NOT_IMPORT = (
-    "kvtier.cli.main",
-    "kvtier.cli.kubectl",
-    "kvtier.demo.main",
-    "kvtier.demo.peers",
-    "kvtier.demo.vllm",
-    "kvtier.demo.engines",
-    "kvtier.bench",
-    "kvtier.local.agent",
-    "kvtier.traces.replay",
-    "kvtier.traces.plan",
-    "kvtier.csi",
-)
-# The plug-in and what it imports run in vLLM's environment: numpy, pyzmq, msgspec, xxhash
-# come with vLLM; nothing that talks to Kubernetes, S3 or NIXL may be imported there.
-PLUGIN = "kvtier.vllm.tier"
-NOT_IN_VLLM = ("kopf", "kubernetes", "lightkube", "boto3", "botocore", "nixl", "grpc", "rich")
+
+
+PAYLOAD = payload_tool()
+# The plug-in's packages, lowest first: each may import those before it.
+PLUGIN_PACKAGES = ("kvtier.api", "kvtier.shm", "kvtier.client", "kvtier.vllm")
+# What every part may import besides itself (the top-level `kvtier` is the version).
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    **{p: PLUGIN_PACKAGES[:i] for i, p in enumerate(PLUGIN_PACKAGES)},
+    "kvtier.kube": (),
+    "kvtier.agent": ("kvtier.api", "kvtier.shm", "kvtier.client", "kvtier.kube"),
+    "kvtier.operator": ("kvtier.api", "kvtier.kube"),
+    "kvtier.csi": ("kvtier.api", "kvtier.kube"),
+    "kvtier.local": ("kvtier.api", "kvtier.shm", "kvtier.client"),
+    "kvtier.traces": ("kvtier.api", "kvtier.shm", "kvtier.client", "kvtier.agent.host"),
+    "kvtier.demo": ("kvtier.api", "kvtier.shm", "kvtier.client", "kvtier.local", "kvtier.traces"),
+    "kvtier.bench": (
+        "kvtier.api",
+        "kvtier.shm",
+        "kvtier.client",
+        "kvtier.agent",
+        "kvtier.csi",
+        "kvtier.local",
+        "kvtier.traces",
+    ),
+    "kvtier.cli": (
+        "kvtier.api",
+        "kvtier.shm",
+        "kvtier.client",
+        "kvtier.kube",
+        "kvtier.agent",
+        "kvtier.operator",
+        "kvtier.csi",
+        "kvtier.local",
+        "kvtier.traces",
+        "kvtier.demo",
+        "kvtier.bench",
+    ),
+}
+# Of what is not the standard library, what a vLLM image brings (vLLM's own requirements).
+VLLM_HAS = ("vllm", "torch", "numpy", "zmq", "msgspec", "pydantic", "yaml")
 
 
 def module_name(path: Path) -> str:
@@ -72,33 +88,44 @@ def imports(path: Path) -> Iterator[tuple[int, str]]:
             yield from ((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             yield node.lineno, node.module
-            yield from ((node.lineno, f"{node.module}.{a.name}") for a in node.names)
 
 
 def within(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+def part_of(module: str) -> str | None:
+    """The part a kvtier module belongs to: the plug-in's old module path is the plug-in's."""
+    if within(module, PAYLOAD.SHIMS):
+        return "kvtier.vllm"
+    return next((p for p in MAY_IMPORT if within(module, (p,))), None)
+
+
 def refused(importer: str, imported: str) -> bool:
-    if within(importer, ("kvtier.agent",)):
-        return (
-            within(imported, ("kvtier",))
-            and imported != "kvtier"
-            and (not within(imported, AGENT_MAY_IMPORT))
-        )
-    return within(importer, ("kvtier.operator",)) and within(imported, OPERATOR_MAY_NOT_IMPORT)
+    part = part_of(importer)
+    if part is None or not within(imported, ("kvtier",)) or imported == "kvtier":
+        return False
+    if imported == "kvtier.__version__" or within(imported, (part,)):
+        return False
+    return not within(imported, MAY_IMPORT[part])
 
 
 def violations() -> list[str]:
     found = []
     for name, path in product_modules().items():
+        if part_of(name) is None and name != "kvtier":
+            found.append(f"{name} is in no part: give it a folder and a row in MAY_IMPORT")
         lines = {n: m for n, m in imports(path) if refused(name, m)}
         found += [f"{name}:{n} imports {m}" for n, m in lines.items()]
     return found
 
 
-def test_parts_import_in_one_direction() -> None:
+def test_parts_import_only_what_their_folder_rule_allows() -> None:
     assert violations() == []
+
+
+def test_the_plugin_packages_are_the_payload() -> None:
+    assert tuple(PAYLOAD.PACKAGES) == PLUGIN_PACKAGES
 
 
 def test_the_product_never_uses_tests_e2e_or_tools() -> None:
@@ -112,57 +139,49 @@ def test_the_product_never_uses_tests_e2e_or_tools() -> None:
     assert found == []
 
 
-def plugin_closure() -> set[str]:
-    """The kvtier modules the plug-in loads at import time (module level only)."""
-    modules = product_modules()
-    seen: set[str] = set()
-    todo = [PLUGIN]
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in modules:
+def foreign_in_plugin() -> list[str]:
+    """Imports in the plug-in's packages of anything neither the standard library nor vLLM's
+    environment has (at any depth: a lazy import runs in vLLM's process too)."""
+    found = []
+    for name, path in product_modules().items():
+        if part_of(name) not in PLUGIN_PACKAGES:
             continue
-        seen.add(name)
-        tree = ast.parse(modules[name].read_text())
-        for node in tree.body:
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                todo += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                todo += [a.name for a in node.names]
-    return seen
+        for n, imported in imports(path):
+            top = imported.split(".")[0]
+            if top in ("kvtier", "__future__") or top in sys.stdlib_module_names:
+                continue
+            if top not in VLLM_HAS:
+                found.append(f"{name}:{n} imports {imported}")
+    return found
 
 
 def test_the_plugin_imports_only_what_vllm_has() -> None:
-    closure = plugin_closure()
-    assert PLUGIN in closure and len(closure) > 3
-    modules = product_modules()
-    found = [
-        f"{name} imports {imported}"
-        for name in sorted(closure)
-        for node in ast.parse(modules[name].read_text()).body
-        if isinstance(node, ast.Import | ast.ImportFrom)
-        for _, imported in imports_of(node)
-        if within(imported, NOT_IN_VLLM) or within(imported, ("kvtier.demo.engines",))
-    ]
-    assert found == []
-
-
-def imports_of(node: ast.Import | ast.ImportFrom) -> list[tuple[int, str]]:
-    if isinstance(node, ast.Import):
-        return [(node.lineno, a.name) for a in node.names]
-    return [(node.lineno, node.module or "")]
+    assert foreign_in_plugin() == []
 
 
 @pytest.mark.parametrize(
     ("module", "source", "expected"),
     [
+        ("kvtier.api.x", "from kvtier.shm.pool import Pool\n", "imports kvtier.shm.pool"),
+        ("kvtier.shm.x", "from kvtier.client.protocol import Lookup\n", "imports kvtier.client"),
+        ("kvtier.client.x", "import kvtier.vllm.tier\n", "imports kvtier.vllm.tier"),
+        ("kvtier.vllm.x", "def f():\n    import kvtier.agent.server\n", "imports kvtier.agent"),
+        ("kvtier.agent.vllm", "from kvtier.agent.host.tier import HostTier\n", "kvtier.agent"),
         ("kvtier.agent.x", "from kvtier.operator import builders\n", "imports kvtier.operator"),
-        ("kvtier.agent.x", "def f():\n    import kvtier.cli.main\n", "imports kvtier.cli.main"),
+        ("kvtier.agent.host.x", "def f():\n    import kvtier.cli.main\n", "imports kvtier.cli"),
+        ("kvtier.agent.x", "from kvtier.vllm.tier import X\n", "imports kvtier.vllm.tier"),
         ("kvtier.operator.x", "from kvtier.bench.host import run\n", "imports kvtier.bench"),
-        ("kvtier.agent.x", "from kvtier.cli.trace import load\n", "imports kvtier.cli.trace"),
-        ("kvtier.operator.x", "import kvtier.demo.peers\n", "imports kvtier.demo.peers"),
+        ("kvtier.operator.x", "from kvtier.agent.server import X\n", "imports kvtier.agent"),
+        ("kvtier.csi.x", "from kvtier.operator.webhook import X\n", "imports kvtier.operator"),
+        ("kvtier.traces.x", "import kvtier.demo.main\n", "imports kvtier.demo"),
+        ("kvtier.demo.x", "from kvtier.bench.runner import X\n", "imports kvtier.bench"),
+        ("kvtier.bench.x", "from kvtier.demo.peers import X\n", "imports kvtier.demo"),
+        ("kvtier.local.x", "from kvtier.agent.server import X\n", "imports kvtier.agent"),
+        ("kvtier.kube", "from kvtier.api.config import X\n", "imports kvtier.api"),
+        ("kvtier.stray", "import os\n", "kvtier.stray is in no part"),
     ],
 )
-def test_the_check_fails_when_broken(
+def test_the_folder_check_fails_when_broken(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, source: str, expected: str
 ) -> None:
     path = tmp_path / "x.py"
@@ -172,6 +191,25 @@ def test_the_check_fails_when_broken(
     )
     (found,) = violations()
     assert expected in found
+
+
+@pytest.mark.parametrize(
+    ("module", "source"),
+    [
+        ("kvtier.shm.x", "import xxhash\n"),
+        ("kvtier.client.x", "def f():\n    import boto3\n"),
+        ("kvtier.api.x", "from lightkube import Client\n"),
+        ("kvtier.agent.vllm", "import kopf\n"),
+    ],
+)
+def test_the_vllm_environment_check_fails_when_broken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, source: str
+) -> None:
+    path = tmp_path / "x.py"
+    path.write_text(source)
+    monkeypatch.setattr("tests.test_architecture.product_modules", lambda: {module: path})
+    (found,) = foreign_in_plugin()
+    assert found.startswith(f"{module}:")
 
 
 def named_test_module(name: str) -> str | None:

@@ -34,7 +34,6 @@ reports it (test_the_check_reports_what_else_is_reachable).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -43,7 +42,6 @@ import subprocess
 import sys
 import venv
 from pathlib import Path, PurePosixPath
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -54,6 +52,7 @@ from kvtier.api.transfer_config import (
     build_kv_transfer_config,
     kv_transfer_config_arg,
 )
+from tests.payload_tool import payload_tool
 
 REPO = Path(__file__).resolve().parents[2]
 OLD_MODULE = "kvtier.agent.vllm"  # the plug-in's module path in 0.1's transfer configs
@@ -71,17 +70,7 @@ ABSENT = (
 )
 
 
-def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "plugin_payload", REPO / "tools/plugin_payload.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-payload = _tool()
+payload = payload_tool()
 
 
 # Runs in the vLLM-image python: reads a job (JSON, argv[1]), writes a report (argv[2]).
