@@ -19,7 +19,7 @@ from kvtier.operator.uninstall import FINALIZER
 from kvtier.operator.webhook import INJECTED
 from kvtier.operator.webhook import TIER as TIER_ANNOTATION
 
-STATE = control.State(OperatorSettings.from_env())
+STATE = control.State(OperatorSettings())  # from the KVTIER_* environment
 TIERS = (GROUP, VERSION, "kvcachetiers")
 NODES = (GROUP, VERSION, "kvcachenodes")
 

@@ -1,13 +1,29 @@
-"""The operator's settings, typed and read from the environment (set by the Helm chart)."""
+"""The operator's settings, typed and read from the environment (set by the Helm chart).
+
+Each field is read from `KVTIER_<FIELD>` (KVTIER_IMAGE, KVTIER_RECONCILE_INTERVAL_SECONDS,
+...), lists as comma-separated text; a value refused names its variable. Keywords given to
+the constructor take precedence over the environment.
+"""
 
 from __future__ import annotations
 
-import os
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import AliasGenerator, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
-class OperatorSettings(BaseModel):
+def _variable(field: str) -> str:
+    return f"KVTIER_{field.upper()}"
+
+
+class OperatorSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        alias_generator=AliasGenerator(validation_alias=_variable),
+        populate_by_name=True,
+        case_sensitive=True,
+    )
+
     image: str = Field(default="ghcr.io/kvtier/kvtier:0.1.0", description="Agent image.")
     reconcile_interval_seconds: float = Field(default=30.0, gt=0)
     status_interval_seconds: float = Field(default=10.0, gt=0)
@@ -16,12 +32,12 @@ class OperatorSettings(BaseModel):
         default="/var/run/kvtier",
         description="Where the tier's CSI volume (pool and agent socket) appears in pods.",
     )
-    allowed_registries: list[str] = Field(
+    allowed_registries: Annotated[list[str], NoDecode] = Field(
         default=["ghcr.io/kvtier/"],
         description="Image prefixes spec.agent.image may use (KVTIER_ALLOWED_REGISTRIES, "
         "comma-separated).",
     )
-    allowed_nfs_servers: list[str] = Field(
+    allowed_nfs_servers: Annotated[list[str], NoDecode] = Field(
         default=[],
         description="NFS servers a filesystem tier may name (KVTIER_ALLOWED_NFS_SERVERS, "
         "comma-separated); none by default.",
@@ -33,16 +49,10 @@ class OperatorSettings(BaseModel):
     webhook_key: str | None = Field(default=None, description="TLS private key (PEM) path.")
     peering: str | None = Field(default=None, description="kopf peering name (replicas > 1).")
 
+    @field_validator("allowed_registries", "allowed_nfs_servers", mode="before")
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
-        """KVTIER_IMAGE, KVTIER_RECONCILE_INTERVAL_SECONDS, ... override the defaults."""
-        env = dict(os.environ if env is None else env)
-        values: dict[str, object] = {
-            name: env[f"KVTIER_{name.upper()}"]
-            for name in cls.model_fields
-            if f"KVTIER_{name.upper()}" in env
-        }
-        for name in ("allowed_registries", "allowed_nfs_servers"):
-            if isinstance(text := values.get(name), str):
-                values[name] = [item.strip() for item in text.split(",") if item.strip()]
-        return cls.model_validate(values)
+    def _comma_separated(cls, value: Any) -> Any:
+        """`a, b,` from the environment is ["a", "b"]; a list is taken as it is."""
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
