@@ -30,9 +30,7 @@ chunk whose slot changed hands meanwhile as not loaded.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-import struct
 import threading
 import time
 import uuid
@@ -41,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 import zmq
@@ -49,38 +46,21 @@ import zmq
 from kvtier.api.stats import AgentStats
 from kvtier.client import protocol as p
 from kvtier.client.liveness import ClientLock
+from kvtier.client.transport import (
+    AgentError,
+    AgentRefused,
+    AgentUnavailable,
+    LeaseLost,
+    NotRegistered,
+    Transport,
+)
 from kvtier.shm.files import foreign
 from kvtier.shm.pool import Bytes, PoolMap, staging_path
 from kvtier.shm.table import TableReader, digests, index_path
 
-_RID = struct.Struct("<Q")
 REPORT_SECONDS = 0.05  # lookups answered here reach the agent at most this late...
 REPORT_KEYS = 65536  # ...or once this many keys wait
 ALIVE_SECONDS = 0.01  # per-key lookups test the agent's liveness at most this often
-
-
-class AgentError(Exception):
-    """A call to the agent failed: either of the two below, for callers that handle both
-    alike."""
-
-
-class AgentUnavailable(AgentError, ConnectionError):
-    """The agent did not answer in time, or its socket or pool cannot be reached; the
-    caller treats it as a miss."""
-
-
-class AgentRefused(AgentError):
-    """The agent answered with an error: the request itself was wrong (or this client's
-    configuration is), so asking again will not help."""
-
-
-class LeaseLost(AgentUnavailable):
-    """The lease a call names is void (it expired, or the agent restarted since it was
-    granted): the store or load it covered did not happen."""
-
-
-class _NotRegistered(Exception):
-    """The agent does not know this connection: say hello again."""
 
 
 @dataclass(frozen=True)
@@ -164,10 +144,7 @@ class AgentClient:
         self.timeout = timeout
         self.timeout_ms = int(timeout * 1000)
         self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sock: zmq.Socket[bytes] | None = None
-        self._rids = itertools.count(1)
-        self._io_lock = threading.Lock()
+        self._transport = Transport(endpoint, self.timeout_ms, self.disconnected)
         self._lock: ClientLock | None = None
         self.pool: PoolMap | None = None  # read-only: only the agent writes the pool
         self.staging: PoolMap | None = None  # where stores are written, for the agent to seal
@@ -180,8 +157,6 @@ class AgentClient:
         self._report_now = threading.Event()
         self._closing = threading.Event()
         self._loaded_bytes = 0  # loaded without a lease since the last report
-        self._ahead: set[bytes] = set()  # ids of requests sent ahead of their reply
-        self._stash: dict[bytes, bytes] = {}  # their replies, come while awaiting others
         self._reported_keys = 0
 
     # --- connection ----------------------------------------------------------------------
@@ -189,7 +164,7 @@ class AgentClient:
     def connect(self) -> AgentClient:
         """Say hello and map the pool. A pool file that was recreated (another geometry) is
         mapped anew."""
-        with self._io_lock:
+        with self._transport.lock:
             self._connect_locked(time.monotonic() + self.timeout)
         return self
 
@@ -197,7 +172,7 @@ class AgentClient:
         try:
             if self._lock is None:
                 self._lock = ClientLock(self.run_dir / "clients", self.client_id)
-            reply = self._exchange(
+            reply = self._transport.exchange(
                 p.Hello(self.client_id, self._lock.path.name), p.HelloReply, deadline
             )
             path = Path(reply.pool)
@@ -224,7 +199,7 @@ class AgentClient:
                     staging.close()
                 self.staging = _agents_own(PoolMap.open(staged), True)
                 self._boot = reply.boot
-        except (AgentError, _NotRegistered):
+        except (AgentError, NotRegistered):
             raise
         except (OSError, ValueError) as exc:
             raise AgentUnavailable(
@@ -272,9 +247,7 @@ class AgentClient:
         if self.index is not None:
             self.index.close()
             self.index = None
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        self._transport.close()
         if self.pool is not None:
             self.pool.close()
             self.pool = None
@@ -366,7 +339,8 @@ class AgentClient:
         """Send the reports that wait, one message per namespace. With `block` false (on
         vLLM's scheduler thread) they wait for a later flush if another thread is in the
         middle of a round trip."""
-        if not self._io_lock.acquire(blocking=block):
+        transport = self._transport
+        if not transport.lock.acquire(blocking=block):
             return
         try:
             with self._reports_lock:
@@ -383,12 +357,9 @@ class AgentClient:
                         loaded,
                     )
                     loaded = 0
-                    with contextlib.suppress(zmq.Again):
-                        self._socket().send_multipart(
-                            [p.ONE_WAY, p.encode(message)], flags=zmq.NOBLOCK, copy=True
-                        )
+                    transport.post(message)
         finally:
-            self._io_lock.release()
+            transport.lock.release()
 
     def _live_index(self) -> TableReader | None:
         """The published index while it is this agent process's; a retired one (the agent
@@ -409,7 +380,7 @@ class AgentClient:
         index = self.index
         if index is None or not index.retired:
             return False
-        with self._io_lock:
+        with self._transport.lock:
             if self.index is index:
                 self.index = None
                 self.hello = None
@@ -440,34 +411,31 @@ class AgentClient:
         """Send a Commit without waiting for its reply (see `store`): its request id."""
         if self._reports or self._loaded_bytes:
             self.flush_reports()
-        with self._io_lock:
+        with self._transport.lock:
             if self.hello is None:
                 self._connect_locked(time.monotonic() + self.timeout)
-            rid = _RID.pack(next(self._rids))
-            self._socket().send_multipart([rid, p.encode(p.Commit(lease))])
-            self._ahead.add(rid)
-            return rid
+            return self._transport.send_ahead(p.Commit(lease))
 
     def _commit_done(self, rid: bytes, lease: int) -> None:
         """Wait for the reply to a Commit sent ahead; raises as `commit` does."""
-        with self._io_lock:
+        with self._transport.lock:
             try:
-                self._await(rid, "Commit", p.Ack, time.monotonic() + self.timeout)
-            except _NotRegistered:
+                self._transport.await_reply(rid, "Commit", p.Ack, time.monotonic() + self.timeout)
+            except NotRegistered:
                 self.hello = None
                 raise LeaseLost(
                     f"lease {lease} is void: the agent restarted since it was granted"
                 ) from None
 
     def abort(self, lease: int) -> None:
-        self._send(p.Abort(lease))
+        self._transport.send(p.Abort(lease))
 
     def begin_load(self, namespace: str, keys: Sequence[bytes], source: str = "") -> Grant:
         reply = self._call(p.BeginLoad(namespace, list(keys), source), p.LeaseReply)
         return Grant(reply.lease, reply.slots, reply.where, reply.generations)
 
     def end_load(self, lease: int) -> None:
-        self._send(p.EndLoad(lease))
+        self._transport.send(p.EndLoad(lease))
 
     def events(self, namespace: str, after: int = 0) -> p.EventsReply:
         """Chunks of `namespace` stored into or evicted from the pool since `after`."""
@@ -653,21 +621,7 @@ class AgentClient:
             self._loaded_bytes += nbytes
         return loaded
 
-    # --- transport -----------------------------------------------------------------------
-
-    def _socket(self) -> zmq.Socket[bytes]:
-        if self._sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.endpoint)
-            self._sock = sock
-        return self._sock
-
-    def _send(self, request: p.Request) -> None:
-        """Send a one-way request. If the agent is gone it is dropped: the agent releases the
-        lease by itself (timeout or dead client), so nothing waits on it."""
-        with self._io_lock, contextlib.suppress(zmq.Again):
-            self._socket().send_multipart([p.ONE_WAY, p.encode(request)], flags=zmq.NOBLOCK)
+    # --- requests ------------------------------------------------------------------------
 
     def _call(self, request: p.Request, expect: type[Any]) -> Any:
         """One request within one timeout, hello included: say hello first when this client
@@ -677,12 +631,12 @@ class AgentClient:
         if self._reports or self._loaded_bytes:
             self.flush_reports()  # what was looked up here reaches the agent before it answers
         deadline = time.monotonic() + self.timeout
-        with self._io_lock:
+        with self._transport.lock:
             try:
                 if self.hello is None:
                     self._connect_locked(deadline)
-                return self._exchange(request, expect, deadline)
-            except _NotRegistered:
+                return self._transport.exchange(request, expect, deadline)
+            except NotRegistered:
                 self.hello = None
                 if isinstance(request, p.Commit):
                     raise LeaseLost(
@@ -690,52 +644,18 @@ class AgentClient:
                     ) from None
             try:
                 self._connect_locked(deadline)
-                return self._exchange(request, expect, deadline)
-            except _NotRegistered as exc:
+                return self._transport.exchange(request, expect, deadline)
+            except NotRegistered as exc:
                 raise AgentRefused(f"agent refused the hello of this client: {exc}") from None
 
-    def _exchange(self, request: p.Request, expect: type[Any], deadline: float) -> Any:
-        sock = self._socket()
-        rid = _RID.pack(next(self._rids))
-        sock.send_multipart([rid, p.encode(request)])
-        return self._await(rid, type(request).__name__, expect, deadline)
 
-    def _await(self, rid: bytes, what: str, expect: type[Any], deadline: float) -> Any:
-        """The reply to request `rid` (io lock held); replies to requests sent ahead that
-        arrive meanwhile are kept for their own `_await`."""
-        sock = self._socket()
-        body = self._stash.pop(rid, None)
-        while body is None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
-                break
-            frames = sock.recv_multipart()
-            if len(frames) != 2:
-                continue
-            if frames[0] == rid:
-                body = frames[1]
-            elif frames[0] in self._ahead:
-                self._stash[frames[0]] = frames[1]
-            # else: a late answer to an earlier, timed-out request
-        if body is not None:
-            self._ahead.discard(rid)
-            try:
-                reply = p.reply_decoder.decode(body)
-            except msgspec.MsgspecError as exc:
-                raise AgentRefused(f"undecodable reply to {what}: {exc}") from None
-            if isinstance(reply, p.ErrorReply):
-                if reply.code == p.NOT_REGISTERED:
-                    raise _NotRegistered(reply.message)
-                error = LeaseLost if reply.code == p.LEASE else AgentRefused
-                raise error(f"agent refused {what}: {reply.message}")
-            if not isinstance(reply, expect):
-                raise AgentRefused(f"unexpected reply {type(reply).__name__}")
-            return reply
-        self._ahead.clear()
-        self._stash.clear()
-        sock.close(linger=0)
-        self._sock = None
-        self.hello = None  # a restarted agent needs a new hello before anything else
-        raise AgentUnavailable(
-            f"agent at {self.endpoint} did not answer within {self.timeout_ms} ms"
-        )
+__all__ = [
+    "AgentClient",
+    "AgentError",
+    "AgentRefused",
+    "AgentUnavailable",
+    "Grant",
+    "LeaseLost",
+    "LookupResult",
+    "StoreResult",
+]
