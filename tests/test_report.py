@@ -137,7 +137,7 @@ def test_a_restarted_agent_updates_its_kvcachenode_endpoint_and_curve_key(
             ("tcp://10.0.0.9:5557", "new"),
         ):
             registry = KubernetesRegistry(config, "gpu-1")
-            registry.endpoint, registry.curve_key = endpoint, curve_key
+            registry.advertise(endpoint, curve_key)
             registry.publish({"heartbeat": "2026-11-29T10:00:00Z"})
         other = KubernetesRegistry(config, "gpu-2")
         (member,) = other.members()
@@ -151,8 +151,8 @@ def test_a_restarted_agent_updates_its_kvcachenode_endpoint_and_curve_key(
 
 def test_file_registry_lists_members_with_their_curve_keys(tmp_path: Path) -> None:
     a, b = FileRegistry(tmp_path, "a"), FileRegistry(tmp_path, "b")
-    a.endpoint, a.curve_key = "tcp://127.0.0.1:1", "a-public-key"
-    b.endpoint = "tcp://127.0.0.1:2"  # unauthenticated
+    a.advertise("tcp://127.0.0.1:1", "a-public-key")
+    b.advertise("tcp://127.0.0.1:2")  # unauthenticated
     for registry in (a, b):
         registry.publish(build_report(STATS, dt.datetime.now(dt.UTC)).to_manifest())
     members = {m.node: m for m in b.members()}
@@ -173,7 +173,7 @@ def test_membership_follows_kvcachenodes_through_a_watch(
 
         def join(node: str, endpoint: str) -> None:
             registry = KubernetesRegistry(config, node)
-            registry.endpoint = endpoint
+            registry.advertise(endpoint)
             registry.publish({"heartbeat": "2026-11-29T10:00:00Z"})
 
         me = KubernetesRegistry(config, "gpu-0")

@@ -49,6 +49,11 @@ class Registry(ABC):
     # it). NIXL metadata is never published: peers ask for it over the CURVE channel.
     curve_key: str | None = None
 
+    def advertise(self, endpoint: str, curve_key: str | None = None) -> None:
+        """Publish this agent's peer endpoint (and the key it serves with) from its next
+        report on: the peer tier binds after the registry exists, so it says so once bound."""
+        self.endpoint, self.curve_key = endpoint, curve_key
+
     @abstractmethod
     def publish(self, status: dict[str, Any]) -> None: ...
 

@@ -295,6 +295,5 @@ def build_peer_tier(name: str, config: PeerTierConfig, context: TierContext) -> 
     # nodes' clocks, in whole seconds
     stale_after = max(config.stale_floor_seconds, 3 * context.report_interval)
     server = PeerServer(config, context.host, registry, stale_after)
-    registry.endpoint = server.endpoint
-    registry.curve_key = server.curve_key
+    registry.advertise(server.endpoint, server.curve_key)
     return PeerTier(name, config, server)
