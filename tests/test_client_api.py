@@ -10,7 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.client import protocol as p
 from kvtier.client.connection import AgentClient, AgentRefused
+from kvtier.client.reports import Reports, report_parts
 from kvtier.local.agent import AgentProcess
 from tests.conftest import ROW
 
@@ -67,16 +69,34 @@ def test_store_refuses_rows_of_unequal_size_before_asking(agent: AgentProcess) -
 def test_lookup_reports_are_cut_into_messages_the_agent_accepts() -> None:
     """A backlog of reported lookups never becomes one Looked message over the protocol's
     bounds (MAX_KEYS keys, MAX_KEYS requests), which the agent would drop unanswered."""
-    import numpy as np
-
-    from kvtier.client import protocol as p
-    from kvtier.client.connection import _report_parts
-
     requests = [np.arange(n, dtype=np.uint64) for n in [p.MAX_KEYS, 3, p.MAX_KEYS - 2, 1, 5]]
-    parts = _report_parts(requests)
+    parts = report_parts(requests)
     assert [len(part) for part in parts] == [1, 1, 2, 1]
     assert all(sum(len(r) for r in part) <= p.MAX_KEYS for part in parts)
     assert [r for part in parts for r in part] == requests  # every request, in order
     many = [np.zeros(1, np.uint64)] * (p.MAX_KEYS + 1)
-    assert [len(part) for part in _report_parts(many)] == [p.MAX_KEYS, 1]
-    assert _report_parts([]) == [[]]
+    assert [len(part) for part in report_parts(many)] == [p.MAX_KEYS, 1]
+    assert report_parts([]) == [[]]
+
+
+def test_a_requests_keys_noted_over_a_step_are_reported_as_one_request() -> None:
+    """The plug-in notes lookups key by key; the batcher reports each request's keys of one
+    step as one request, beside whole requests and the bytes loaded without a lease."""
+    reports = Reports(lambda: None)
+    reports.key("ns", "a", 1)
+    reports.key("ns", "b", 2)
+    reports.key("ns", "a", 3)
+    assert not reports.pending and reports.take() == []  # not before the step ends
+    reports.end_step()
+    reports.request("other", np.array([4], np.uint64))
+    reports.loaded(100)
+    assert reports.pending
+    sent = [
+        (m.namespace, m.sizes, np.frombuffer(m.digests, "<u8").tolist(), m.loaded_bytes)
+        for m in reports.take()
+    ]
+    assert sent == [("ns", [2, 1], [1, 3, 2], 100), ("other", [1], [4], 0)]
+    assert not reports.pending
+    reports.loaded(5)  # bytes alone still go out
+    assert [(m.namespace, m.sizes, m.loaded_bytes) for m in reports.take()] == [("-", [], 5)]
+    reports.stop(1.0)

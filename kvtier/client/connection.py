@@ -12,10 +12,10 @@ the answer to a later request. Every OS error of connecting or
 mapping the pool is an AgentUnavailable too: a client that cannot reach the pool gets misses.
 
 Lookups of the host pool are answered in this process from the index the agent publishes
-beside the pool (see shm_index.py), with no round trip; what was looked up goes to the agent
-afterwards in batched one-way Looked messages (at most REPORT_SECONDS late, or before the
-next request that waits for the agent), so its hit counts, the eviction order's recency and
-its access log see every lookup. A hit is a hint: the chunk may be
+beside the pool (see shm/table.py), with no round trip; what was looked up goes to the agent
+afterwards in batched one-way Looked messages (reports.py: at most REPORT_SECONDS late, or
+before the next request that waits for the agent), so its hit counts, the eviction order's
+recency and its access log see every lookup. A hit is a hint: the chunk may be
 evicted before it is leased, and the lease then says MISS. Lookups that may need the
 secondary tiers (some key missed the pool, the agent has tiers) or name a source still ask
 the agent.
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -40,12 +39,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import zmq
 
 from kvtier.api.stats import AgentStats
 from kvtier.client import protocol as p
 from kvtier.client.liveness import ClientLock
+from kvtier.client.reports import Reports
 from kvtier.client.transport import (
     AgentError,
     AgentRefused,
@@ -58,8 +57,6 @@ from kvtier.shm.files import foreign
 from kvtier.shm.pool import Bytes, PoolMap, staging_path
 from kvtier.shm.table import TableReader, digests, index_path
 
-REPORT_SECONDS = 0.05  # lookups answered here reach the agent at most this late...
-REPORT_KEYS = 65536  # ...or once this many keys wait
 ALIVE_SECONDS = 0.01  # per-key lookups test the agent's liveness at most this often
 
 
@@ -90,20 +87,6 @@ class Grant:
 class StoreResult:
     stored: int
     skipped: int
-
-
-def _report_parts(requests: list[Any]) -> list[list[Any]]:
-    """Requests' digests in messages the agent accepts: at most MAX_KEYS keys (a request
-    has at most that many) and MAX_KEYS requests in each; one empty part for none."""
-    parts: list[list[Any]] = [[]]
-    keys = 0
-    for request in requests:
-        if parts[-1] and (keys + len(request) > p.MAX_KEYS or len(parts[-1]) == p.MAX_KEYS):
-            parts.append([])
-            keys = 0
-        parts[-1].append(request)
-        keys += len(request)
-    return parts
 
 
 def _equal_rows(keys: Sequence[bytes], rows: Sequence[Any]) -> tuple[list[Bytes], int]:
@@ -151,13 +134,8 @@ class AgentClient:
         self._boot = 0  # the agent process the staging map was made for
         self.index: TableReader | None = None
         self.hello: p.HelloReply | None = None
-        self._reports: dict[str, list[npt.NDArray[np.uint64]]] = {}
-        self._reports_lock = threading.Lock()
-        self._reporter: threading.Thread | None = None
-        self._report_now = threading.Event()
-        self._closing = threading.Event()
-        self._loaded_bytes = 0  # loaded without a lease since the last report
-        self._reported_keys = 0
+        # lookups answered from the published index, and bytes loaded without a lease
+        self.reports = Reports(self._report_tick)
 
     # --- connection ----------------------------------------------------------------------
 
@@ -236,13 +214,7 @@ class AgentClient:
         self.hello = None
 
     def close(self) -> None:
-        reporter = self._reporter
-        if reporter is not None:
-            self._closing.set()
-            self._report_now.set()
-            reporter.join(timeout=self.timeout)
-            self._reporter = None
-            self._closing.clear()
+        self.reports.stop(self.timeout)
         self.flush_reports()
         if self.index is not None:
             self.index.close()
@@ -290,7 +262,7 @@ class AgentClient:
             held = slots >= 0
             hello = self.hello
             if held.all() or (hello is not None and not hello.tiers):
-                self.report(namespace, ds)
+                self.reports.request(namespace, ds)
                 prefix = len(keys) if held.all() else int(held.argmin())
                 return LookupResult(held.tolist(), prefix, np.where(held, 0, -1).tolist())
         reply = self._call(p.Lookup(namespace, keys, source), p.LookupReply)
@@ -300,64 +272,29 @@ class AgentClient:
         """Whether the pool holds the key of index digest `key_digest` (`shm_index.digest`),
         from the published index, without ever blocking (the plug-in asks on vLLM's
         scheduler thread): None when there is no live index to ask (not connected yet, the
-        agent gone or restarted), and only the agent can say. Not reported: see `report`."""
+        agent gone or restarted), and only the agent can say. Not reported: see `reports`."""
         index = self.index
         if index is None or index.retired or not index.alive_within(ALIVE_SECONDS):
             return None
         return index.find_one(key_digest)[0] >= 0
 
-    def report(self, namespace: str, digests: npt.NDArray[np.uint64]) -> None:
-        """Tell the agent that these keys (one request's, in order, as index digests) were
-        looked up: it counts hits and misses, refreshes the hits' recency and logs the
-        request, as if it had answered the lookup itself. Reports go together, one way, from
-        a reporting thread at most REPORT_SECONDS later (at once past REPORT_KEYS keys, and
-        before any request that waits for the agent), so a lookup never pays for sending
-        them; the plug-in also flushes every scheduler step."""
-        if not len(digests):
-            return
-        with self._reports_lock:
-            self._reports.setdefault(namespace, []).append(digests)
-            self._reported_keys += len(digests)
-            due = self._reported_keys >= REPORT_KEYS
-            if self._reporter is None:
-                self._reporter = threading.Thread(
-                    target=self._report_loop, name="kvtier-report", daemon=True
-                )
-                self._reporter.start()
-        if due:
-            self._report_now.set()
-
-    def _report_loop(self) -> None:
-        while not self._closing.is_set():
-            self._report_now.wait(REPORT_SECONDS)
-            self._report_now.clear()
-            with contextlib.suppress(AgentUnavailable, zmq.ZMQError):
-                self.flush_reports()
-            self._drop_retired_index()  # an idle engine too lets its volume free the file
+    def _report_tick(self) -> None:
+        """On the reporting thread: send what waits; an idle engine too lets go of a
+        retired index, so its volume can free the file."""
+        with contextlib.suppress(AgentUnavailable, zmq.ZMQError):
+            self.flush_reports()
+        self._drop_retired_index()
 
     def flush_reports(self, block: bool = True) -> None:
-        """Send the reports that wait, one message per namespace. With `block` false (on
-        vLLM's scheduler thread) they wait for a later flush if another thread is in the
-        middle of a round trip."""
+        """Send the reports that wait (`reports`), one way. With `block` false (on vLLM's
+        scheduler thread) they wait for a later flush if another thread is in the middle
+        of a round trip."""
         transport = self._transport
         if not transport.lock.acquire(blocking=block):
             return
         try:
-            with self._reports_lock:
-                reports, self._reports, self._reported_keys = self._reports, {}, 0
-                loaded, self._loaded_bytes = self._loaded_bytes, 0
-            if loaded and not reports:
-                reports = {"-": []}  # bytes to report even with no lookup waiting
-            for namespace, requests in reports.items():
-                for part in _report_parts(requests):
-                    message = p.Looked(
-                        namespace,
-                        np.concatenate(part).astype("<u8").tobytes() if part else b"",
-                        [len(r) for r in part],
-                        loaded,
-                    )
-                    loaded = 0
-                    transport.post(message)
+            for message in self.reports.take():
+                transport.post(message)
         finally:
             transport.lock.release()
 
@@ -409,7 +346,7 @@ class AgentClient:
 
     def _commit_ahead(self, lease: int) -> bytes:
         """Send a Commit without waiting for its reply (see `store`): its request id."""
-        if self._reports or self._loaded_bytes:
+        if self.reports.pending:
             self.flush_reports()
         with self._transport.lock:
             if self.hello is None:
@@ -617,8 +554,7 @@ class AgentClient:
                 if pool.generation(slot) == gen:
                     loaded[i] = True
                     nbytes += view.nbytes
-        with self._reports_lock:
-            self._loaded_bytes += nbytes
+        self.reports.loaded(nbytes)
         return loaded
 
     # --- requests ------------------------------------------------------------------------
@@ -628,7 +564,7 @@ class AgentClient:
         has not (or not since a timeout), and again once if the agent does not know this
         connection. Threads may share a client: one request at a time on the socket, while
         copies of chunk bytes happen outside this lock."""
-        if self._reports or self._loaded_bytes:
+        if self.reports.pending:
             self.flush_reports()  # what was looked up here reaches the agent before it answers
         deadline = time.monotonic() + self.timeout
         with self._transport.lock:

@@ -185,9 +185,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._refusals: set[str] = set()
         self._connect_lock = threading.Lock()
         self._lookup = _AgentLookup(self)
-        # Lookups answered from the published index this step, per request (reported once
-        # per step), and the keys each request already reported (each key once).
-        self._looked: dict[str, list[int]] = {}
+        # The keys each request already reported (each key once; the client's batcher
+        # reports a request's keys of one step as one request).
         self._reported: dict[str, set[OffloadKey]] = {}
         # Load jobs in flight, and the keys whose load failed (both on vLLM's side only).
         self._loads: dict[int, TransferJob] = {}
@@ -281,7 +280,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         reported = self._reported.setdefault(req_id, set())
         if key not in reported:
             reported.add(key)
-            self._looked.setdefault(req_id, []).append(key_digest)
+            self._client.reports.key(self.namespace, req_id, key_digest)
             self._record("counter", Metrics.LOOKUPS, 1)
             if held:
                 self._record("counter", Metrics.HITS, 1)
@@ -302,18 +301,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
         if self._failed:
             self._failed = {k: f for k, f in self._failed.items() if f.requests or f.until > now}
         self._lookup.flush()
-        self._report_lookups()
+        # the lookups answered here this step, one request each, to the agent in one
+        # one-way message (it counts them, refreshes recency, logs the requests), and the
+        # bytes loaded without a lease
+        self._client.reports.end_step()
+        self._client.flush_reports(block=False)
         if self._events is not None and self._events.due(now):
             self._events.polling(self._jobs.run_soon(self._poll_events))
-
-    def _report_lookups(self) -> None:
-        """The lookups answered here this step, one request each, to the agent: one
-        one-way message (it counts them, refreshes recency, logs the requests)."""
-        looked, self._looked = self._looked, {}
-        if looked and self._namespace is not None:
-            for digests in looked.values():
-                self._client.report(self._namespace, np.array(digests, np.uint64))
-        self._client.flush_reports(block=False)  # and the bytes loaded without a lease
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._jobs.submit(lambda: self._run_job(self._store, job_metadata))

@@ -45,6 +45,7 @@ from kvtier.bench.vllm_scheduler import (
     kvtier_extra_config,
     offloading_config,
 )
+from kvtier.client import protocol as p
 from kvtier.client.connection import AgentClient
 from kvtier.local.agent import AgentProcess
 from kvtier.vllm import tier as plugin
@@ -211,6 +212,29 @@ def test_store_then_lookup_hits_and_a_load_leaves_the_chunk(driver: Driver) -> N
     # a load copies out: the chunks stay, for this request and a new one
     assert driver.lookup(keys) == [HIT, HIT]
     assert driver.lookup(keys, ReqContext(req_id="later")) == [HIT, HIT]
+
+
+def test_lookups_answered_from_the_index_reach_the_agent_once_per_request_and_step(
+    driver: Driver, agent_config: AgentConfig
+) -> None:
+    """A key the published index answers is reported to the agent once per request, and a
+    request's keys of one step as one logged request: the agent counts and logs them as
+    if it had answered them."""
+    keys = [chunk_key(1), chunk_key(2), chunk_key(3)]
+    driver.rows[0], driver.rows[1] = chunk_row(1), chunk_row(2)
+    assert driver.store(keys[:2], [0, 1]).success
+    with AgentClient(agent_config.endpoint) as client:
+        before = client.stats().host
+        assert driver.lookup(keys) == [HIT, HIT, MISS]  # the agent has no other tier
+        assert driver.lookup(keys) == [HIT, HIT, MISS]  # asked again, reported once
+        driver.step()
+        deadline = time.monotonic() + 10
+        while (after := client.stats().host).lookups < before.lookups + 3:
+            assert time.monotonic() < deadline, after
+            time.sleep(0.02)
+        assert (after.lookups - before.lookups, after.hits - before.hits) == (3, 2)
+        logged = client._call(p.AccessLog(0), p.AccessLogReply).requests
+        assert [(len(r.ids), r.hits) for r in logged] == [(3, 2)]
 
 
 def test_a_refused_store_is_said_once_and_is_no_outage(
