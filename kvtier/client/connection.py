@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import zmq
 
 from kvtier.api.stats import AgentStats
@@ -249,19 +250,34 @@ class AgentClient:
 
     # --- control calls -------------------------------------------------------------------
 
-    def lookup(self, namespace: str, keys: Sequence[bytes], source: str = "") -> LookupResult:
+    def pool_answers(self, all_held: bool) -> bool:
+        """Whether the published index answers a lookup or a load alone, the agent unasked:
+        when the pool holds every key asked (`all_held`), or the agent has no secondary
+        tier to look in."""
+        hello = self.hello
+        return all_held or (hello is not None and not hello.tiers)
+
+    def lookup(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        source: str = "",
+        key_digests: npt.NDArray[np.uint64] | None = None,
+    ) -> LookupResult:
         """Which keys a tier holds. The pool's chunks are found in the published index
-        without a round trip; the agent is asked when a key missed the pool and it has
-        secondary tiers, or when `source` names the peer endpoint of an agent known to hold
-        the chunks (direct mode)."""
+        without a round trip; the agent is asked unless the index answers alone
+        (`pool_answers`), and when `source` names the peer endpoint of an agent known to
+        hold the chunks (direct mode). `key_digests`: the keys' index digests
+        (`shm.table.digests`), where the caller has them already."""
         keys = list(keys)
         index = self._live_index()
         if index is not None and not source and keys:
-            ds = digests(namespace, keys)
+            ds = digests(namespace, keys) if key_digests is None else key_digests
+            if len(ds) != len(keys):
+                raise ValueError("lookup needs one digest per key")
             slots, _ = index.find(ds)
             held = slots >= 0
-            hello = self.hello
-            if held.all() or (hello is not None and not hello.tiers):
+            if self.pool_answers(bool(held.all())):
                 self.reports.request(namespace, ds)
                 prefix = len(keys) if held.all() else int(held.argmin())
                 return LookupResult(held.tolist(), prefix, np.where(held, 0, -1).tolist())
@@ -269,14 +285,21 @@ class AgentClient:
         return LookupResult(reply.hits, reply.prefix, reply.where)
 
     def find(self, key_digest: int) -> bool | None:
-        """Whether the pool holds the key of index digest `key_digest` (`shm_index.digest`),
+        """Whether the pool holds the key of index digest `key_digest` (`shm.table.digest`),
         from the published index, without ever blocking (the plug-in asks on vLLM's
-        scheduler thread): None when there is no live index to ask (not connected yet, the
-        agent gone or restarted), and only the agent can say. Not reported: see `reports`."""
+        scheduler thread). None when only the agent can say: there is no live index to ask
+        (not connected, the agent gone or restarted), or the index does not answer alone
+        (`pool_answers`). Not reported: see `reports`."""
         index = self.index
-        if index is None or index.retired or not index.alive_within(ALIVE_SECONDS):
+        if (
+            self.hello is None
+            or index is None
+            or index.retired
+            or not index.alive_within(ALIVE_SECONDS)
+        ):
             return None
-        return index.find_one(key_digest)[0] >= 0
+        held = index.find_one(key_digest)[0] >= 0
+        return held if self.pool_answers(held) else None
 
     def _report_tick(self) -> None:
         """On the reporting thread: send what waits; an idle engine too lets go of a
@@ -518,8 +541,7 @@ class AgentClient:
         if index is not None and not source and self.pool is not None:
             ds = digests(namespace, keys)
             slots, gens = index.find(ds)
-            hello = self.hello
-            if (slots >= 0).all() or (hello is not None and not hello.tiers):
+            if self.pool_answers(bool((slots >= 0).all())):
                 return self._load_unleased(namespace, views, slots.tolist(), gens.tolist())
         grant = self.begin_load(namespace, keys, source)
         if grant.lease == 0:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
+import numpy.typing as npt
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -123,14 +124,33 @@ def source_of(req_context: Any) -> str:
 
 
 class _AgentLookup(AsyncLookupManager):
-    """vLLM's async-lookup helper: one batch per scheduler step, on its own thread."""
+    """vLLM's async-lookup helper: one batch per scheduler step, on its own thread.
+
+    The index digests the tier computed for the keys it asks about (`ask`) go along with
+    them, so that a key is digested once: those of this step's keys and the last step's
+    are kept, which covers a batch looked up during the step after it was flushed; one
+    that waited longer behind slower batches digests its keys again."""
 
     def __init__(self, tier: KVTierSecondaryTier) -> None:
         super().__init__(tier_type=tier.tier_type)
         self._tier = tier
+        self._digests: dict[OffloadKey, int] = {}  # this step's (scheduler thread)
+        self._older: dict[OffloadKey, int] = {}  # the last step's
+
+    def ask(self, key: OffloadKey, req_context: ReqContext, key_digest: int) -> bool | None:
+        self._digests[key] = key_digest
+        found: bool | None = self.lookup(key, req_context)
+        return found
+
+    def flush(self) -> None:
+        super().flush()
+        self._older, self._digests = self._digests, {}
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return self._tier.agent_lookup(keys, source_of(req_context))
+        older, current = self._older, self._digests
+        found = [current.get(k, older.get(k)) for k in keys]
+        key_digests = None if None in found else np.array(found, np.uint64)
+        return self._tier.agent_lookup(keys, source_of(req_context), key_digests)
 
 
 class KVTierSecondaryTier(SecondaryTierManager):
@@ -238,10 +258,16 @@ class KVTierSecondaryTier(SecondaryTierManager):
             self._available = available
         self._record("gauge", Metrics.AGENT_AVAILABLE, 1.0 if available else 0.0)
 
-    def agent_lookup(self, keys: list[OffloadKey], source: str = "") -> list[bool]:
+    def agent_lookup(
+        self,
+        keys: list[OffloadKey],
+        source: str = "",
+        key_digests: npt.NDArray[np.uint64] | None = None,
+    ) -> list[bool]:
         try:
             client = self._connected()
-            hits = client.lookup(self.namespace, [bytes(k) for k in keys], source).hits
+            raw = [bytes(k) for k in keys]
+            hits = client.lookup(self.namespace, raw, source, key_digests).hits
         except AgentError as exc:
             self._lost(exc)
             return [False] * len(keys)
@@ -257,26 +283,24 @@ class KVTierSecondaryTier(SecondaryTierManager):
         if failed is not None and failed.holds(req_context.req_id, time.monotonic()):
             return LookupResult.MISS
         self._chains.note([bytes(key)], req_context)
-        local = self._local_lookup(key, req_context)
-        if local is not None:
-            return local
-        found = self._lookup.lookup(key, req_context)
+        if source_of(req_context):  # direct mode: the agent asks the source
+            found = self._lookup.lookup(key, req_context)
+        else:
+            key_digest = digest(self.namespace, bytes(key))
+            local = self._local_lookup(key, key_digest, req_context.req_id)
+            if local is not None:
+                return local
+            found = self._lookup.ask(key, req_context, key_digest)
         if found is None:
             return LookupResult.RETRY
         return LookupResult.HIT if found else LookupResult.MISS
 
-    def _local_lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult | None:
-        """HIT when the pool holds the key (and MISS when it does not and the agent has no
-        other tier), from the published index, in this scheduler step; None when only the
-        agent can say (no index yet, a source to ask, secondary tiers to look in)."""
-        hello = self._client.hello
-        if hello is None or source_of(req_context):
-            return None
-        key_digest = digest(self.namespace, bytes(key))
+    def _local_lookup(self, key: OffloadKey, key_digest: int, req_id: str) -> LookupResult | None:
+        """The published index's answer, in this scheduler step (`AgentClient.find`); None
+        when only the agent can say (no index yet, secondary tiers to look in)."""
         held = self._client.find(key_digest)
-        if held is None or (not held and hello.tiers):
+        if held is None:
             return None
-        req_id = req_context.req_id
         reported = self._reported.setdefault(req_id, set())
         if key not in reported:
             reported.add(key)

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,6 +46,7 @@ from kvtier.bench.vllm_scheduler import (
     kvtier_extra_config,
     offloading_config,
 )
+from kvtier.client import connection
 from kvtier.client import protocol as p
 from kvtier.client.connection import AgentClient
 from kvtier.local.agent import AgentProcess
@@ -235,6 +237,34 @@ def test_lookups_answered_from_the_index_reach_the_agent_once_per_request_and_st
         assert (after.lookups - before.lookups, after.hits - before.hits) == (3, 2)
         logged = client._call(p.AccessLog(0), p.AccessLogReply).requests
         assert [(len(r.ids), r.hits) for r in logged] == [(3, 2)]
+
+
+def test_a_lookup_that_asks_the_agent_digests_its_key_once(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: StartAgent,
+    engines: MakeEngine,
+    scratch: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key the pool misses while the agent has a secondary tier goes to the agent: the
+    digest the tier computed to ask the published index travels with it, and the client
+    digests nothing again."""
+    fs = {"name": "fs", "filesystem": {"path": str(scratch / "fs"), "capacity": "16Mi"}}
+    config = make_config({"tiers": [fs]}, chunkBytes=ROW)
+    agent_factory(config)
+    engine = engines(config)
+    driver = Driver(engine.tier, engine.rows)
+    by_tier: list[bytes] = []
+    by_client: list[bytes] = []
+    one, many = plugin.digest, connection.digests
+    monkeypatch.setattr(plugin, "digest", lambda ns, key: by_tier.append(key) or one(ns, key))
+    monkeypatch.setattr(
+        connection, "digests", lambda ns, keys: by_client.extend(keys) or many(ns, keys)
+    )
+    keys = [chunk_key(7), chunk_key(8)]
+    assert driver.lookup(keys) == [MISS, MISS]  # the agent looked in its tier too
+    assert set(by_tier) == {bytes(k) for k in keys}
+    assert by_client == []
 
 
 def test_a_refused_store_is_said_once_and_is_no_outage(
