@@ -253,6 +253,32 @@ class Result:
         return self.hit_blocks / self.looked_up_blocks
 
 
+def _request_done(
+    r: int,
+    warmup: int,
+    result: Result,
+    pool_full: bool,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """What both replays note once a request is through: whether warm-up has filled the pool
+    (hit rates before that say nothing of the policy), and progress every 256 requests."""
+    if r < warmup and not result.filled and pool_full:
+        result.filled = True
+    if progress is not None and r % 256 == 255:
+        progress(256)
+
+
+def _trace_done(
+    trace: Trace,
+    progress: Callable[[int], None] | None,
+    upcoming: dict[ChunkId, tuple[int, int]] | None,
+) -> None:
+    if progress is not None:
+        progress(trace.requests % 256)
+    if upcoming is not None:
+        upcoming.clear()  # Belady's look-ahead, which holds every future use of the trace
+
+
 def replay(
     trace: Trace,
     policy: str,
@@ -297,14 +323,8 @@ def replay(
                 index.commit(store, CLIENT)
         if load:
             index.end_load(load, CLIENT)
-        if r < warmup and not result.filled and not index.free_slots:
-            result.filled = True
-        if progress is not None and r % 256 == 255:
-            progress(256)
-    if progress is not None:
-        progress(trace.requests % 256)
-    if upcoming is not None:
-        upcoming.clear()
+        _request_done(r, warmup, result, not index.free_slots, progress)
+    _trace_done(trace, progress, upcoming)
     result.evictions = index.counters.evictions
     result.rejected = index.counters.full
     return result
@@ -406,14 +426,8 @@ def replay_direct(
                 chooser.on_inserts(given if by_slot else granted)
         for s in loaded:
             pins[s] -= 1
-        if r < warmup and not result.filled and not free:
-            result.filled = True
-        if progress is not None and r % 256 == 255:
-            progress(256)
-    if progress is not None:
-        progress(trace.requests % 256)
-    if upcoming is not None:
-        upcoming.clear()
+        _request_done(r, warmup, result, not free, progress)
+    _trace_done(trace, progress, upcoming)
     result.evictions, result.rejected = evictions, full
     return result
 
