@@ -34,7 +34,7 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,17 +71,11 @@ class LookupResult:
     where: list[int]
 
 
-@dataclass(frozen=True)
-class Grant:
-    """Slots granted for a store or a load: `slots[i]` is a slot number, or negative when
-    key i is not to be copied (`protocol.StoreCode` and `Where`); `generations[i]` the
-    stamp slot i keeps while the grant holds."""
-
-    lease: int
-    slots: list[int]
-    where: list[int]
-    generations: list[int] = field(default_factory=list)
-    staging: list[int] = field(default_factory=list)  # a store's: where to write key i
+# Slots granted for a store or a load, as the agent answered them: `slots[i]` is a slot
+# number, or negative when key i is not to be copied (`protocol.StoreCode` and `Where`);
+# `generations[i]` the stamp slot i keeps while the grant holds, `staging[i]` where a
+# store writes key i.
+Grant = p.LeaseReply
 
 
 @dataclass(frozen=True)
@@ -358,8 +352,8 @@ class AgentClient:
         request = p.Allocate(
             namespace, list(keys), nbytes, None if parents is None else list(parents)
         )
-        reply = self._call(request, p.LeaseReply)
-        return Grant(reply.lease, reply.slots, reply.where, reply.generations, reply.staging)
+        grant: Grant = self._call(request, p.LeaseReply)
+        return grant
 
     def commit(self, lease: int) -> None:
         """A round trip: once it returns, every client of the agent sees the chunks (a
@@ -391,8 +385,8 @@ class AgentClient:
         self._transport.send(p.Abort(lease))
 
     def begin_load(self, namespace: str, keys: Sequence[bytes], source: str = "") -> Grant:
-        reply = self._call(p.BeginLoad(namespace, list(keys), source), p.LeaseReply)
-        return Grant(reply.lease, reply.slots, reply.where, reply.generations)
+        grant: Grant = self._call(p.BeginLoad(namespace, list(keys), source), p.LeaseReply)
+        return grant
 
     def end_load(self, lease: int) -> None:
         self._transport.send(p.EndLoad(lease))
