@@ -5,6 +5,9 @@ lease behind."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,6 +18,7 @@ from kvtier.client.connection import AgentClient, AgentRefused
 from kvtier.client.reports import Reports, report_parts
 from kvtier.local.agent import AgentProcess
 from tests.conftest import ROW
+from tests.helpers import NS, key, row
 
 DTYPES = [np.uint8, np.int16, np.float32, np.float64]
 
@@ -100,3 +104,72 @@ def test_a_requests_keys_noted_over_a_step_are_reported_as_one_request() -> None
     reports.loaded(5)  # bytes alone still go out
     assert [(m.namespace, m.sizes, m.loaded_bytes) for m in reports.take()] == [("-", [], 5)]
     reports.stop(1.0)
+
+
+class _OldAllocate(msgspec.Struct, tag="allocate"):
+    """Allocate as plug-ins that predate Allocate.status send it (deployed pods)."""
+
+    namespace: str
+    keys: list[bytes]
+    nbytes: int
+    parents: list[bytes | None] | None = None
+
+
+class _OldLeaseReply(msgspec.Struct, tag="lease_reply"):
+    """LeaseReply as those plug-ins decode it."""
+
+    lease: int
+    slots: list[int]
+    where: list[int] = []
+    generations: list[int] = []
+    staging: list[int] = []
+
+
+def test_store_outcomes_travel_out_of_band(agent: AgentProcess) -> None:
+    with AgentClient(agent.config.endpoint) as client:
+        client.store(NS, [key(0)], [row(0, ROW)])
+        request = p.Allocate(NS, [key(0), key(1)], ROW, None, True)
+        reply = client._call(request, p.LeaseReply)
+        assert reply.status == [p.StoreStatus.EXISTS, p.StoreStatus.GRANTED]
+        assert reply.slots[0] == p.NO_SLOT and reply.slots[1] >= 0
+        client.abort(reply.lease)
+
+
+def test_an_old_client_reads_store_outcomes_in_band(agent: AgentProcess) -> None:
+    """A plug-in that predates LeaseReply.status, during a rolling upgrade: it asks without
+    it and reads each key's outcome in `slots`, as it always did."""
+    with AgentClient(agent.config.endpoint) as client:
+        client.store(NS, [key(0)], [row(0, ROW)])
+        old_request = _OldAllocate(NS, [key(0), key(1)], ROW)
+        reply = client._call(old_request, p.LeaseReply)  # type: ignore[arg-type]
+        old = msgspec.msgpack.decode(p.encode(reply), type=_OldLeaseReply)
+        assert old.lease and old.slots[0] == p.StoreCode.EXISTS and old.slots[1] >= 0
+        client.abort(reply.lease)
+
+
+def test_a_new_client_stores_through_an_agent_that_answers_in_band(
+    agent: AgentProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent that predates Allocate.status reads a new client's Allocate without it
+    (msgspec drops fields it does not know) and answers in band: the client still learns
+    each key's outcome, and a store still skips what is held."""
+    sent = p.encode(p.Allocate(NS, [key(0)], ROW, None, True))
+    assert msgspec.msgpack.decode(sent, type=_OldAllocate) == _OldAllocate(NS, [key(0)], ROW)
+    with AgentClient(agent.config.endpoint) as client:
+        real = client._call
+
+        def old_agent(request: Any, expect: type[Any]) -> Any:
+            if isinstance(request, p.Allocate):  # what such an agent reads of it
+                request = _OldAllocate(
+                    request.namespace, request.keys, request.nbytes, request.parents
+                )
+            return real(request, expect)
+
+        monkeypatch.setattr(client, "_call", old_agent)
+        assert client.store(NS, [key(0)], [row(0, ROW)]).stored == 1
+        grant = client.allocate(NS, [key(0), key(1)], ROW)
+        assert grant.status == [p.StoreStatus.EXISTS, p.StoreStatus.GRANTED]
+        assert grant.slots[0] == p.NO_SLOT and grant.slots[1] >= 0
+        client.abort(grant.lease)
+        result = client.store(NS, [key(0), key(1)], [row(0, ROW), row(1, ROW)])
+        assert (result.stored, result.skipped) == (1, 1)

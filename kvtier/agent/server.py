@@ -292,11 +292,20 @@ class Agent:
                     ds = np.frombuffer(part, "<u8")
                     hits = host.lookup_digests(namespace, ds)
                     self.access_log.record_digests(namespace, ds, hits)
-            case p.Allocate(namespace, keys, nbytes, parents):
+            case p.Allocate(namespace, keys, nbytes, parents, status):
                 lease, slots, generations, staging = host.allocate(
                     client, namespace, keys, nbytes, parents
                 )
-                return p.LeaseReply(lease, slots, [], generations, staging)
+                if status:  # each key's outcome out of band
+                    return p.LeaseReply(
+                        lease,
+                        p.granted_slots(slots),
+                        [],
+                        generations,
+                        staging,
+                        p.store_status(slots),
+                    )
+                return p.LeaseReply(lease, slots, [], generations, staging)  # in band
             case p.Commit(lease):
                 # the agent copies the staged chunks into the pool: off the request loop
                 return lambda: self._commit(lease, client)

@@ -72,7 +72,7 @@ class LookupResult:
 
 
 # Slots granted for a store or a load, as the agent answered them: `slots[i]` is a slot
-# number, or negative when key i is not to be copied (`protocol.StoreCode` and `Where`);
+# number, or negative when key i is not to be copied (a store's `status[i]` says why);
 # `generations[i]` the stamp slot i keeps while the grant holds, `staging[i]` where a
 # store writes key i.
 Grant = p.LeaseReply
@@ -348,11 +348,16 @@ class AgentClient:
         nbytes: int,
         parents: Sequence[bytes | None] | None = None,
     ) -> Grant:
-        """`parents`: each key's predecessor in its request, where known (None otherwise)."""
+        """`parents`: each key's predecessor in its request, where known (None otherwise).
+        Each key's outcome is in the grant's `status` (`protocol.StoreStatus`), and a key
+        given no slot has a negative one, whichever way the agent answered."""
         request = p.Allocate(
-            namespace, list(keys), nbytes, None if parents is None else list(parents)
+            namespace, list(keys), nbytes, None if parents is None else list(parents), True
         )
         grant: Grant = self._call(request, p.LeaseReply)
+        if len(grant.status) != len(grant.slots):  # an agent that answers in band
+            grant.status = p.store_status(grant.slots)
+            grant.slots = p.granted_slots(grant.slots)
         return grant
 
     def commit(self, lease: int) -> None:
@@ -484,8 +489,8 @@ class AgentClient:
                 granted = sum(1 for s in grant.slots if s >= 0)
                 later = [
                     i
-                    for i, s in zip(batch, grant.slots, strict=True)
-                    if s == p.StoreCode.STAGING_FULL
+                    for i, status in zip(batch, grant.status, strict=True)
+                    if status == p.StoreStatus.STAGING_FULL
                 ]
                 stored += granted
                 skipped += len(batch) - granted - len(later)

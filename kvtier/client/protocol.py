@@ -31,19 +31,48 @@ from kvtier.api.stats import AgentStats
 # 3: the published index (clients answer pool lookups themselves) and Looked reports; the
 #    pool read-only to clients, stores written into a staging area (LeaseReply.staging)
 # 4: the stats reply typed (stats.AgentStats) instead of a free-form mapping
+# A field added with a default keeps the version (the agent refuses a Hello of another
+# one, so a bump parts every deployed plug-in from every new agent): a peer that predates
+# the field ignores it, and the other side reads its absence as the old behaviour. So
+# Allocate.parents, and Allocate.status with LeaseReply.status (a store's outcome per key
+# out of band; an agent that predates them answers with StoreCode in `slots`).
 PROTOCOL_VERSION = 4
 ONE_WAY = b"\0" * 8
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_KEYS = 65536
 
 
-class StoreCode(IntEnum):
-    """Allocate's per-key answers that are not slot numbers (negative on the wire)."""
+class StoreStatus(IntEnum):
+    """Allocate's outcome for each key (LeaseReply.status)."""
 
-    EXISTS = -1  # already held: the store is a duplicate and is skipped
-    BUSY = -2  # another client is writing it right now
-    FULL = -3  # every slot is pinned; nothing could be evicted
-    STAGING_FULL = -4  # no staging slot free right now: store it again once earlier stores end
+    GRANTED = 0  # a slot to store it into
+    EXISTS = 1  # already held: the store is a duplicate and is skipped
+    BUSY = 2  # another client is writing it right now
+    FULL = 3  # every slot is pinned; nothing could be evicted
+    STAGING_FULL = 4  # no staging slot free right now: store it again once earlier stores end
+
+
+class StoreCode(IntEnum):
+    """The same outcomes in band, as negative slot numbers: how the host index answers,
+    and what a client that does not ask for LeaseReply.status reads in `slots`."""
+
+    EXISTS = -StoreStatus.EXISTS
+    BUSY = -StoreStatus.BUSY
+    FULL = -StoreStatus.FULL
+    STAGING_FULL = -StoreStatus.STAGING_FULL
+
+
+NO_SLOT = -1  # LeaseReply.slots of a key given none, where the reply carries `status`
+
+
+def store_status(slots: list[int]) -> list[int]:
+    """In-band answers (a slot, or a StoreCode) as each key's StoreStatus."""
+    return [StoreStatus.GRANTED if slot >= 0 else StoreStatus(-slot) for slot in slots]
+
+
+def granted_slots(slots: list[int]) -> list[int]:
+    """In-band answers with every code replaced by NO_SLOT."""
+    return [slot if slot >= 0 else NO_SLOT for slot in slots]
 
 
 class Where(IntEnum):
@@ -110,6 +139,9 @@ class Allocate(msgspec.Struct, tag="allocate"):
     # Each key's predecessor in its request where the client knows it (for the `prefix`
     # policy); an agent that predates the field ignores it, and its absence means none.
     parents: Annotated[list[Key | None], msgspec.Meta(max_length=MAX_KEYS)] | None = None
+    # Answer each key's outcome in LeaseReply.status (and NO_SLOT in `slots` where there is
+    # no slot) instead of StoreCode in `slots`; an agent that predates the field ignores it.
+    status: bool = False
 
 
 class Commit(msgspec.Struct, tag="commit"):
@@ -187,10 +219,11 @@ class LookupReply(msgspec.Struct, tag="lookup_reply"):
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply"):
-    """Answer to Allocate and BeginLoad: a slot per key, or a negative code (`StoreCode`, `Where`).
-    `lease` is 0 when no slot was granted. `generations[i]` is the stamp slot i carries while
-    the grant holds (see pool.py): a reader whose copy ends with another stamp in the slot
-    copied bytes that were no longer its chunk's."""
+    """Answer to Allocate and BeginLoad: a slot per key, or a negative number where there is
+    none (a load's: Where.MISS; a store's: see `status`). `lease` is 0 when no slot was
+    granted. `generations[i]` is the stamp slot i carries while the grant holds (see
+    shm/pool.py): a reader whose copy ends with another stamp in the slot copied bytes
+    that were no longer its chunk's."""
 
     lease: int
     slots: list[int]
@@ -199,6 +232,9 @@ class LeaseReply(msgspec.Struct, tag="lease_reply"):
     # Allocate: the staging slot to write key i into (-1 for none); the pool is read-only
     # to clients, and Commit copies the staged chunks into their pool slots.
     staging: list[int] = []
+    # Allocate asked with `status`: each key's StoreStatus, and `slots[i]` NO_SLOT where
+    # it is not GRANTED; asked without, a key given no slot has its StoreCode in `slots`.
+    status: list[int] = []
 
 
 class Ack(msgspec.Struct, tag="ack"):
