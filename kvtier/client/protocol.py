@@ -117,7 +117,7 @@ class Lookup(msgspec.Struct, tag="lookup"):
 
 
 class Looked(msgspec.Struct, tag="looked"):
-    """One-way: lookups a client answered itself from the published index (shm_index.py).
+    """One-way: lookups a client answered itself from the published index (shm/table.py).
     `digests` holds the looked-up keys' index digests (u64 little-endian), request after
     request, `sizes` how many keys each request had, in the order it asked for them. The
     agent counts hits and misses, refreshes the recency of the hits and logs each request,
