@@ -156,7 +156,7 @@ def test_lru_with_every_leaf_pinned_evicts_an_inner_chunk_and_orphans_its_childr
     assert lru.describe()["forced"] == 1
 
 
-def test_adaptive_keeps_the_chunk_used_at_every_step() -> None:
+def test_adaptive_follows_one_candidate_and_keeps_the_others_in_step() -> None:
     from kvtier.agent.host.policy import AdaptivePolicy
 
     policy = AdaptivePolicy(4)
@@ -167,8 +167,9 @@ def test_adaptive_keeps_the_chunk_used_at_every_step() -> None:
         policy.on_insert(k)
         policy.on_hit("a")
     state = policy.describe()
-    assert state["leader"] in ("lru", "arc") and state["resident"] == 4
-    assert "a" in policy.pool  # the chunk used at every step stays, under either leader
+    assert state["leader"] in ("lru", "prefix", "arc") and state["resident"] == 4
+    assert [len(m) for m in policy.members] == [4, 4, 4]
+    assert "a" in policy.members[0].t1  # the chunk used at every step stays, under any leader
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
