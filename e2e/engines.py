@@ -1,4 +1,4 @@
-"""Real vLLM engine processes for the e2e scenarios: the runs of `kvtier.demo.engines.run_engine`
+"""Real vLLM engine processes for the e2e scenarios: the runs of `kvtier.local.engines.run_engine`
 (one engine after another in one process, under the vLLM environment), on this machine or
 inside a node's network namespace, and the connector config they load kvtier with."""
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [" ".join(f"w{(i * 7 + j * 13) % 400}" for i in range(330)) for j in range(2)]
 BLOCKS_PER_PROMPT = 330 // 32
 HITS = "vllm:external_prefix_cache_hits"
-CPU_SPEC = ("kvtier.demo.engines.cpu_spec", "CPUTestTieringSpec")
+CPU_SPEC = ("kvtier.local.engines.cpu_spec", "CPUTestTieringSpec")
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def run_engines(
     network namespace `namespace` when given (a node of its own)."""
     path = [p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p]
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(path)}
-    command = [sys.executable, "-m", "kvtier.demo.engines.run_engine", "--runs", json.dumps(runs)]
+    command = [sys.executable, "-m", "kvtier.local.engines.run_engine", "--runs", json.dumps(runs)]
     proc = subprocess.run(
         netns.run_in(namespace, *command) if namespace else command,
         capture_output=True,

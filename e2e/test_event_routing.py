@@ -22,8 +22,8 @@ import zmq
 
 from e2e.engines import HITS, REPO, kv_config, run_engines
 from kvtier.api.config import AgentConfig
-from kvtier.demo.engines.tiny_model import build
 from kvtier.local.agent import AgentProcess
+from kvtier.local.engines.tiny_model import build
 from kvtier.local.wait import wait_for
 
 BLOCK = 32  # the engines' block size, one offloaded chunk each

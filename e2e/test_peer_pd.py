@@ -21,8 +21,8 @@ import zmq
 from e2e.engines import BLOCKS_PER_PROMPT, HITS, PROMPTS, REPO, kv_config, run_engines
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient
-from kvtier.demo.engines.tiny_model import build
 from kvtier.local.agent import AgentProcess
+from kvtier.local.engines.tiny_model import build
 from tests import netns
 from tests.conftest import AGENT_PYTHON
 

@@ -14,8 +14,8 @@ import pytest
 
 from e2e.engines import HITS, kv_config, run_engines
 from kvtier.api.config import AgentConfig
-from kvtier.demo.engines.tiny_model import ARCHITECTURES, build
 from kvtier.local.agent import AgentProcess
+from kvtier.local.engines.tiny_model import ARCHITECTURES, build
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = ("float32", "bfloat16")

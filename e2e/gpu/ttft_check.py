@@ -59,7 +59,7 @@ def main() -> int:
     os.environ.setdefault("PYTHONHASHSEED", "0")
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-gpu-", dir="/dev/shm"))
     try:
-        from kvtier.demo.engines.tiny_model import build
+        from kvtier.local.engines.tiny_model import build
 
         model = build(
             scratch / "model",

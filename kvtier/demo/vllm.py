@@ -4,7 +4,7 @@ Engine A answers questions that share a long system prompt; engine B, a separate
 with its own (empty) host buffer, then answers other questions behind the same system
 prompt and loads that prefix from the agent instead of computing it. Engines run under the
 vLLM environment (CPU build, a tiny random model built locally) with the CPU copy worker of
-`kvtier.demo.engines`, which vLLM pods never get (the plug-in payload leaves it out).
+`kvtier.local.engines`, which vLLM pods never get (the plug-in payload leaves it out).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _engine(python: Path, model: Path, kv: dict[str, Any], name: str) -> EngineR
         [
             str(python),
             "-m",
-            "kvtier.demo.engines.run_engine",
+            "kvtier.local.engines.run_engine",
             "--runs",
             json.dumps([{"model": str(model), "kv_transfer_config": kv, "prompts": prompts}]),
         ],
@@ -72,7 +72,7 @@ def run_engines(vllm_python: Path, console: Console) -> dict[str, Any]:
     try:
         model_dir = scratch / "tiny-llama"
         subprocess.run(
-            [str(vllm_python), "-m", "kvtier.demo.engines.tiny_model", str(model_dir)],
+            [str(vllm_python), "-m", "kvtier.local.engines.tiny_model", str(model_dir)],
             check=True,
             capture_output=True,
         )
@@ -80,7 +80,7 @@ def run_engines(vllm_python: Path, console: Console) -> dict[str, Any]:
         kv = build_kv_transfer_config(
             agent,
             cpu_bytes_to_use=4 << 20,
-            spec=("kvtier.demo.engines.cpu_spec", "CPUTestTieringSpec"),
+            spec=("kvtier.local.engines.cpu_spec", "CPUTestTieringSpec"),
         )
         with AgentProcess(agent):
             runs = []

@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.api.config import AgentConfig
 from kvtier.bench.vllm_scheduler import ROW, Engine, kvtier_extra_config
-from kvtier.demo.engines.tiny_model import build
+from kvtier.local.engines.tiny_model import build
 
 REPO = Path(__file__).resolve().parents[2]
 

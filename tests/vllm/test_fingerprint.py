@@ -12,8 +12,8 @@ from vllm.v1.kv_offload.base import LookupResult
 
 from kvtier.api.config import AgentConfig
 from kvtier.bench.vllm_scheduler import Engine
-from kvtier.demo.engines.tiny_model import build
 from kvtier.local.agent import AgentProcess
+from kvtier.local.engines.tiny_model import build
 from tests.vllm.conftest import vllm_config_of
 
 MISS = LookupResult.MISS
