@@ -97,7 +97,6 @@ class Agent:
             if config.tiers
             else None
         )
-        self.peer_tier = self.tiers.peer() if self.tiers is not None else None
         self.event_stream: EventStream | None = None
         if config.events.enabled:
             from kvtier.agent.report.event_stream import EventStream
@@ -137,7 +136,7 @@ class Agent:
             name=self.config.name,
             host=self.host.stats(),
             tiers=self.tiers.stats() if self.tiers is not None else [],
-            peers=self.peer_tier.peers() if self.peer_tier is not None else [],
+            peers=self.tiers.peers() if self.tiers is not None else [],
             clients=len(self.clients),
             metrics_port=self.metrics_port,
             events=self.event_stream.stats() if self.event_stream is not None else None,
@@ -351,8 +350,8 @@ class Agent:
 
     def _ask_source(self, source: str, namespace: str, keys: list[bytes]) -> None:
         """Direct mode: learn from the named agent which of the keys it holds."""
-        if source and self.peer_tier is not None and keys:
-            self.peer_tier.ask_source(source, namespace, keys)
+        if source and self.tiers is not None and keys:
+            self.tiers.ask_source(source, namespace, keys)
 
     def _lookup_tiers(
         self, namespace: str, keys: list[bytes], hits: list[bool], source: str, deadline: float

@@ -143,11 +143,6 @@ class SecondaryTiers:
         for t in self.tiers:
             t.backend.ask_source(source, namespace, keys)
 
-    def peer(self) -> SecondaryTiers:
-        """What answers `peers` and `ask_source`: the chain itself (callers that held the
-        peer tier for them get the same answers from it)."""
-        return self
-
     @property
     def names(self) -> list[str]:
         return [t.name for t in self.tiers]
