@@ -17,6 +17,12 @@ from tests.kube_api import KubeAPI
 
 NS = "inference"
 GROUP = "/apis/kvtier.io/v1alpha1"
+# gpu-a's KV event stream as its agent reports it in its KVCacheNode (gpu-b has none)
+EVENTS = {
+    "endpoint": "tcp://10.0.0.5:5558",
+    "replayEndpoint": "tcp://10.0.0.5:5559",
+    "topic": "kv@gpu-a@inference",
+}
 
 
 def stamp(seconds_ago: float) -> str:
@@ -59,6 +65,7 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeAPI]:
                         "peers": ["gpu-b"],
                         "fingerprints": ["llama-3-8b-aaaa1111"],
                         "tiers": [{"name": "host", "usedBytes": 1 << 30, "capacityBytes": 8 << 30}],
+                        **({"events": EVENTS} if node == "gpu-a" else {}),
                     },
                 },
             )
@@ -102,16 +109,20 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeAPI]:
         yield api
 
 
-def kubectl_kvtier(api: KubeAPI, *args: str) -> dict[str, Any]:
+def run_kubectl_kvtier(api: KubeAPI, *args: str) -> str:
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "kubectl-kvtier"), *args, "--json"],
+        [str(Path(sys.executable).parent / "kubectl-kvtier"), *args],
         capture_output=True,
         text=True,
         timeout=60,
         env={**os.environ, "KUBECONFIG": str(api.kubeconfig)},
     )
     assert proc.returncode == 0, proc.stderr
-    return dict(json.loads(proc.stdout))
+    return proc.stdout
+
+
+def kubectl_kvtier(api: KubeAPI, *args: str) -> dict[str, Any]:
+    return dict(json.loads(run_kubectl_kvtier(api, *args, "--json")))
 
 
 def test_status_per_node_and_tier(api: KubeAPI) -> None:
@@ -123,6 +134,16 @@ def test_status_per_node_and_tier(api: KubeAPI) -> None:
     assert agents["gpu-a"]["hitRate"] == 0.4
     assert agents["gpu-a"]["tiers"][0]["usedBytes"] == 1 << 30
     assert kubectl_kvtier(api, "status", "-A")["tiers"][0]["name"] == "llama"
+    assert agents["gpu-a"]["events"] == EVENTS and agents["gpu-b"]["events"] is None
+
+
+def test_status_table_says_where_routers_subscribe(api: KubeAPI) -> None:
+    table = run_kubectl_kvtier(api, "status", "-n", NS)
+    lines = [line for line in table.splitlines() if "KV events of" in line]
+    assert lines == [
+        "  KV events of gpu-a: tcp://10.0.0.5:5558 (replay tcp://10.0.0.5:5559, "
+        "topic 'kv@gpu-a@inference')"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -86,6 +86,8 @@ def collect_status(namespace: str | None) -> dict[str, Any]:
                     "hitRate": ns.hit_rate,
                     "peers": ns.peers,
                     "fingerprints": ns.fingerprints,
+                    # where a router subscribes to the node's KV events, when it has a stream
+                    "events": ns.to_manifest().get("events"),
                 }
             )
         reported = {a["node"] for a in agents}
@@ -98,6 +100,7 @@ def collect_status(namespace: str | None) -> dict[str, Any]:
                 "hitRate": None,
                 "peers": [],
                 "fingerprints": [],
+                "events": None,
             }
             for name, reason in why.items()
             if name not in reported
@@ -156,6 +159,14 @@ def render_status(report: dict[str, Any], console: Console) -> None:
                     ", ".join(agent["fingerprints"]) if i == 0 else "",
                 )
         console.print(table)
+        for agent in tier["agents"]:
+            if stream := agent.get("events"):
+                console.print(
+                    f"  KV events of {agent['node']}: {stream['endpoint']} (replay "
+                    f"{stream['replayEndpoint']}, topic {stream['topic']!r})",
+                    markup=False,
+                    soft_wrap=True,
+                )
 
 
 def _not_injected(pod: dict[str, Any], tiers: list[Any], namespace: str) -> str:
