@@ -207,6 +207,12 @@ def render_csi(result: dict[str, Any], console: Console) -> None:
     )
 
 
+def render_ttft(result: dict[str, Any], console: Console) -> None:
+    from kvtier.bench.ttft import render
+
+    render(result, console)
+
+
 def render_eviction(result: dict[str, Any], console: Console) -> None:
     from kvtier.bench.eviction import render
 
@@ -222,6 +228,7 @@ BENCHMARKS: dict[str, tuple[str, Render]] = {
     "peers": ("kvtier.bench.peers", render_peers),
     "csi": ("kvtier.bench.csi", render_csi),
     "eviction": ("kvtier.bench.eviction", render_eviction),
+    "ttft": ("kvtier.bench.ttft", render_ttft),
 }
 
 

@@ -303,12 +303,14 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "target",
-        choices=["host", "tiers", "peers", "vllm", "csi", "eviction"],
+        choices=["host", "tiers", "peers", "vllm", "csi", "eviction", "ttft"],
         help="host: the client<->agent pool path; tiers: filesystem and S3 tiers; "
         "peers: another node's agent vs raw TCP; "
         "vllm: kvtier vs vLLM's native fs tier inside vLLM's tiering manager; "
         "csi: the CSI plugin's publish latency and the pool through its volume (root); "
-        "eviction: the policies on the trace suite (docs/replay.md's tables)",
+        "eviction: the policies on the trace suite (docs/replay.md's tables); "
+        "ttft: time to first token of a real vLLM engine, KV recomputed or loaded from "
+        "vLLM's CPU and fs tiers and from kvtier",
     )
     parser.add_argument("--quick", action="store_true", help="short run (under a minute)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
