@@ -13,7 +13,12 @@ from typing import Any
 
 from kvtier.api.config import AgentConfig
 
-PLUGIN_MODULE = "kvtier.vllm.tier"
+# The module path the injected config names: the plug-in's 0.1 path, which this release's
+# payload re-exports (kvtier/agent/vllm.py), so the config loads whichever payload a pod's
+# init container copied, including that of a tier pinned to a 0.1 agent image. The plug-in
+# lives in PLUGIN_HOME; configs name it once no supported image lacks it.
+PLUGIN_MODULE = "kvtier.agent.vllm"
+PLUGIN_HOME = "kvtier.vllm.tier"
 PLUGIN_CLASS = "KVTierSecondaryTier"
 
 

@@ -48,6 +48,7 @@ import pytest
 
 from kvtier.api.config import parse_config
 from kvtier.api.transfer_config import (
+    PLUGIN_HOME,
     PLUGIN_MODULE,
     build_kv_transfer_config,
     kv_transfer_config_arg,
@@ -214,13 +215,15 @@ def image_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def old_and_new_configs() -> dict[str, str]:
-    """The `--kv-transfer-config` the operator injects, and the same as 0.1 injected it."""
+    """The `--kv-transfer-config` the operator injects (naming 0.1's module path, as 0.1
+    did), and the same naming the module the plug-in lives in."""
     agent = parse_config({"name": "old", "host": {"capacity": "64Mi", "chunkBytes": "256Ki"}})
-    new = build_kv_transfer_config(agent, cpu_bytes_to_use=1 << 30)
-    old = json.loads(json.dumps(new))
-    [tier] = old["kv_connector_extra_config"]["secondary_tiers"]
-    assert tier["module_path"] == PLUGIN_MODULE
-    tier["module_path"] = OLD_MODULE
+    old = build_kv_transfer_config(agent, cpu_bytes_to_use=1 << 30)
+    new = json.loads(json.dumps(old))
+    [injected] = old["kv_connector_extra_config"]["secondary_tiers"]
+    assert injected["module_path"] == PLUGIN_MODULE == OLD_MODULE
+    [tier] = new["kv_connector_extra_config"]["secondary_tiers"]
+    tier["module_path"] = PLUGIN_HOME
     return {"old": kv_transfer_config_arg(old), "new": kv_transfer_config_arg(new)}
 
 
@@ -295,7 +298,7 @@ def test_the_payload_imports_alone_and_an_old_transfer_config_loads(
     report = check(image_python, plugin_dir, tmp_path)
     assert report["problems"] == []
     old, new = report["configs"]["old"], report["configs"]["new"]
-    assert old["module_path"] == OLD_MODULE and new["module_path"] == PLUGIN_MODULE
+    assert old["module_path"] == OLD_MODULE and new["module_path"] == PLUGIN_HOME
     # vLLM itself imported the old module path, and got the plug-in's class from it
     assert not old["loaded_before"]
     assert old["module_file"] == str(plugin_dir / "kvtier/agent/vllm.py")
