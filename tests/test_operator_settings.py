@@ -68,6 +68,17 @@ def test_only_the_upper_case_names_are_read(monkeypatch: pytest.MonkeyPatch) -> 
     assert OperatorSettings().image == "ghcr.io/kvtier/kvtier:0.1.0"
 
 
+@pytest.mark.parametrize(("name", "value"), [("image", "evil.example/x:1"), ("agent_uid", "0")])
+def test_a_field_s_bare_name_in_the_environment_is_not_read(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """The constructor takes field names; the environment counts only KVTIER_* variables
+    (a container's IMAGE or agent_uid never becomes the agents' image or uid)."""
+    monkeypatch.setenv(name, value)
+    monkeypatch.setenv(name.upper(), value)
+    assert OperatorSettings() == OperatorSettings.model_construct()
+
+
 @pytest.mark.parametrize(
     ("variable", "value", "problem"),
     [

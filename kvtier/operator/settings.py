@@ -7,14 +7,31 @@ the constructor take precedence over the environment.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import AliasGenerator, Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+PREFIX = "KVTIER_"
 
 
 def _variable(field: str) -> str:
-    return f"KVTIER_{field.upper()}"
+    return f"{PREFIX}{field.upper()}"
+
+
+class _KvtierEnvironment(EnvSettingsSource):
+    """The environment's `KVTIER_*` variables only: a field's bare name (`image`,
+    `agent_uid`), which the constructor accepts, is never read from the environment."""
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {k: v for k, v in super()._load_env_vars().items() if k.startswith(PREFIX)}
 
 
 class OperatorSettings(BaseSettings):
@@ -48,6 +65,17 @@ class OperatorSettings(BaseSettings):
     webhook_cert: str | None = Field(default=None, description="TLS certificate (PEM) path.")
     webhook_key: str | None = Field(default=None, description="TLS private key (PEM) path.")
     peering: str | None = Field(default=None, description="kopf peering name (replicas > 1).")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, _KvtierEnvironment(settings_cls, case_sensitive=True)
 
     @field_validator("allowed_registries", "allowed_nfs_servers", mode="before")
     @classmethod
