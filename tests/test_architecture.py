@@ -58,6 +58,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
         "kvtier.api",
         "kvtier.shm",
         "kvtier.client",
+        "kvtier.vllm",
         "kvtier.kube",
         "kvtier.agent",
         "kvtier.operator",
@@ -81,22 +82,35 @@ def product_modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def imports(path: Path) -> Iterator[tuple[int, str]]:
-    """Every module a file imports, at any depth (lazy imports in functions included)."""
+def imports(path: Path, importer: str = "") -> Iterator[tuple[int, str]]:
+    """Every module a file imports, at any depth (lazy imports in functions included), and
+    each name a `from` import takes, which may be a module (`from kvtier import agent`);
+    relative imports resolved against `importer`, the file's module name."""
+    package = importer.split(".") if path.name == "__init__.py" else importer.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             yield from ((node.lineno, alias.name) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.lineno, node.module
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            if not module:
+                continue
+            yield node.lineno, module
+            yield from ((node.lineno, f"{module}.{alias.name}") for alias in node.names)
 
 
 def within(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+# The packages above the shims, whose `__init__` the payload ships too (`kvtier.agent`).
+PAYLOAD_INITS = {s.rsplit(".", 1)[0] for s in PAYLOAD.SHIMS} - {"kvtier"}
+
+
 def part_of(module: str) -> str | None:
-    """The part a kvtier module belongs to: the plug-in's old module path is the plug-in's."""
-    if within(module, PAYLOAD.SHIMS):
+    """The part a kvtier module belongs to: what the payload ships outside the plug-in's
+    packages (the plug-in's old module path, its package's `__init__`) is the plug-in's."""
+    if within(module, PAYLOAD.SHIMS) or module in PAYLOAD_INITS:
         return "kvtier.vllm"
     return next((p for p in MAY_IMPORT if within(module, (p,))), None)
 
@@ -115,13 +129,40 @@ def violations() -> list[str]:
     for name, path in product_modules().items():
         if part_of(name) is None and name != "kvtier":
             found.append(f"{name} is in no part: give it a folder and a row in MAY_IMPORT")
-        lines = {n: m for n, m in imports(path) if refused(name, m)}
+        lines = {n: m for n, m in imports(path, name) if refused(name, m)}
         found += [f"{name}:{n} imports {m}" for n, m in lines.items()]
     return found
 
 
 def test_parts_import_only_what_their_folder_rule_allows() -> None:
     assert violations() == []
+
+
+def page_rules(page: str) -> dict[str, set[str]]:
+    """The import-rules table of docs/architecture.md, as MAY_IMPORT's parts and sets."""
+    rows = page.split("| part | may import of kvtier |", 1)[1].split("\n\n", 1)[0]
+    rules = {}
+    for row in rows.strip().splitlines()[1:]:
+        part, allowed = (cell.strip() for cell in row.strip("|").split("|"))
+        name = "kvtier." + part.split("`")[1].removesuffix(".py")
+        if allowed == "every part":
+            rules[name] = set(MAY_IMPORT) - {name}
+        else:
+            rules[name] = {f"kvtier.{p}" for p in allowed.split("`")[1::2]}
+    return rules
+
+
+def test_the_page_states_the_rules_the_test_holds() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    assert page_rules(page) == {part: set(allowed) for part, allowed in MAY_IMPORT.items()}
+
+
+def test_the_page_check_fails_when_the_page_differs() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    changed = page.replace("| `operator` | `api`, `kube` |", "| `operator` | `api`, `agent` |")
+    assert changed != page and page_rules(changed)["kvtier.operator"] != set(
+        MAY_IMPORT["kvtier.operator"]
+    )
 
 
 def test_the_plugin_packages_are_the_payload() -> None:
@@ -131,12 +172,22 @@ def test_the_plugin_packages_are_the_payload() -> None:
 def test_the_product_never_uses_tests_e2e_or_tools() -> None:
     found = []
     for name, path in product_modules().items():
-        found += [f"{name}:{n} imports {m}" for n, m in imports(path) if within(m, HARNESS)]
+        found += [f"{name}:{n} imports {m}" for n, m in imports(path, name) if within(m, HARNESS)]
         for node in ast.walk(ast.parse(path.read_text())):
             text = node.value if isinstance(node, ast.Constant) else None
             if isinstance(text, str) and any(text.startswith(f"{h}.") for h in HARNESS):
                 found.append(f"{name}:{node.lineno} names the module {text}")
     assert found == []
+
+
+def test_the_harness_check_fails_when_broken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "x.py"
+    path.write_text("from tests.helpers import x\nRUN = 'tools.verify_image'\n")
+    monkeypatch.setattr("tests.test_architecture.product_modules", lambda: {"kvtier.x": path})
+    with pytest.raises(AssertionError, match=r"imports tests\.helpers"):
+        test_the_product_never_uses_tests_e2e_or_tools()
 
 
 def foreign_in_plugin() -> list[str]:
@@ -146,12 +197,14 @@ def foreign_in_plugin() -> list[str]:
     for name, path in product_modules().items():
         if part_of(name) not in PLUGIN_PACKAGES:
             continue
-        for n, imported in imports(path):
+        lines: dict[int, str] = {}
+        for n, imported in imports(path, name):
             top = imported.split(".")[0]
             if top in ("kvtier", "__future__") or top in sys.stdlib_module_names:
                 continue
             if top not in VLLM_HAS:
-                found.append(f"{name}:{n} imports {imported}")
+                lines.setdefault(n, imported)
+        found += [f"{name}:{n} imports {m}" for n, m in lines.items()]
     return found
 
 
@@ -179,6 +232,10 @@ def test_the_plugin_imports_only_what_vllm_has() -> None:
         ("kvtier.local.x", "from kvtier.agent.server import X\n", "imports kvtier.agent"),
         ("kvtier.kube", "from kvtier.api.config import X\n", "imports kvtier.api"),
         ("kvtier.stray", "import os\n", "kvtier.stray is in no part"),
+        ("kvtier.vllm.x", "from kvtier import agent\n", "imports kvtier.agent"),
+        ("kvtier.vllm.x", "from ..agent import server\n", "imports kvtier.agent"),
+        ("kvtier.shm.x", "from . import pool\nfrom ..client import protocol\n", "kvtier.client"),
+        ("kvtier.agent", "from kvtier.agent.host import tier\n", "imports kvtier.agent.host"),
     ],
 )
 def test_the_folder_check_fails_when_broken(
@@ -200,6 +257,7 @@ def test_the_folder_check_fails_when_broken(
         ("kvtier.client.x", "def f():\n    import boto3\n"),
         ("kvtier.api.x", "from lightkube import Client\n"),
         ("kvtier.agent.vllm", "import kopf\n"),
+        ("kvtier.agent", "import kopf\n"),
     ],
 )
 def test_the_vllm_environment_check_fails_when_broken(
@@ -329,11 +387,21 @@ def test_the_host_check_fails_when_broken(
     assert len(host_internals_used()) == 1
 
 
-def test_the_operator_loads_no_numpy() -> None:
+def numpy_loaded_by(modules: list[str], path: Path | None = None) -> bool:
+    """Whether importing `modules` (in a fresh interpreter, `path` first on its path) loads
+    numpy."""
     code = (
-        "import sys\n"
-        "import kvtier.operator.builders, kvtier.operator.webhook, kvtier.operator.status\n"
-        "assert 'numpy' not in sys.modules, 'numpy loaded'\n"
+        f"import sys; sys.path[:0] = {[str(path)] if path else []!r}\n"
+        f"for m in {modules!r}: __import__(m)\n"
+        "print('numpy' in sys.modules)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip() == "True"
+
+
+def test_the_operator_loads_no_numpy(tmp_path: Path) -> None:
+    operator = ["kvtier.operator.builders", "kvtier.operator.webhook", "kvtier.operator.status"]
+    assert not numpy_loaded_by(operator)
+    (tmp_path / "planted_operator.py").write_text("import kvtier.shm.pool\n")
+    assert numpy_loaded_by([*operator, "planted_operator"], tmp_path)
