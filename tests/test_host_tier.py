@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kvtier.agent.chunk import checksum
-from kvtier.agent.host.tier import HostTier, StoreGrant
+from kvtier.agent.host.index import Grant
+from kvtier.agent.host.tier import HostTier
 from kvtier.agent.report.metrics import AgentMetrics
 from kvtier.api.config import HostTierConfig
 from kvtier.shm.table import digests
@@ -65,7 +66,7 @@ def test_checksums_run_without_the_lock_and_spare_a_slot_taken_meanwhile(
     slots = [store(tier, i) for i in range(SLOTS)]  # the pool full: a store evicts chunk 0
     damage(tier, slots[0])
     seen: list[str] = []
-    grants: list[StoreGrant] = []
+    grants: list[Grant] = []
 
     def with_others_meanwhile(data: memoryview | bytes) -> int:
         """A lookup and a store arrive while chunk 0 is being checked: they get the lock,

@@ -42,14 +42,14 @@ def store(index: HostIndex, *keys: bytes, client: str = "c") -> list[int]:
 
 
 def test_uncommitted_chunk_is_not_readable(index: HostIndex) -> None:
-    lease, slots, _ = index.allocate("c", "ns", [b"a"], 10, FAR)
+    lease, slots, _, _ = index.allocate("c", "ns", [b"a"], 10, FAR)
     assert slots[0] >= 0
     assert index.lookup("ns", [b"a"]) == ([False], 0)
-    assert index.begin_load("c", "ns", [b"a"], FAR) == (0, [MISS], [0])
+    assert index.begin_load("c", "ns", [b"a"], FAR) == (0, [MISS], [0], ())
     assert index.allocate("d", "ns", [b"a"], 10, FAR)[1] == [BUSY]
     index.commit(lease, "c")
     assert index.lookup("ns", [b"a"]) == ([True], 1)
-    assert index.allocate("d", "ns", [b"a"], 10, FAR) == (0, [EXISTS], [0])
+    assert index.allocate("d", "ns", [b"a"], 10, FAR) == (0, [EXISTS], [0], ())
 
 
 def test_lookup_prefix_and_namespaces(index: HostIndex) -> None:
@@ -61,9 +61,9 @@ def test_lookup_prefix_and_namespaces(index: HostIndex) -> None:
 
 def test_leased_chunks_are_not_evicted(index: HostIndex) -> None:
     store(index, b"a", b"b", b"c", b"d")
-    lease, slots, _ = index.begin_load("c", "ns", [b"a", b"b", b"c", b"d"], FAR)
+    lease, slots, _, _ = index.begin_load("c", "ns", [b"a", b"b", b"c", b"d"], FAR)
     assert min(slots) >= 0
-    assert index.allocate("c", "ns", [b"e"], 10, FAR) == (0, [FULL], [0])
+    assert index.allocate("c", "ns", [b"e"], 10, FAR) == (0, [FULL], [0], ())
     index.end_load(lease, "c")
     assert index.allocate("c", "ns", [b"e"], 10, FAR)[1][0] >= 0
     assert index.counters.evictions == 1
@@ -77,7 +77,7 @@ def test_eviction_reuses_slot_and_forgets_key(index: HostIndex) -> None:
 
 
 def test_aborted_store_frees_slots(index: HostIndex) -> None:
-    lease, _, _ = index.allocate("c", "ns", [b"a", b"b"], 10, FAR)
+    lease, _, _, _ = index.allocate("c", "ns", [b"a", b"b"], 10, FAR)
     index.abort(lease, "c")
     assert index.free_slots == 4
     assert index.lookup("ns", [b"a"]) == ([False], 0)
@@ -85,7 +85,7 @@ def test_aborted_store_frees_slots(index: HostIndex) -> None:
 
 def test_expired_leases_are_released(index: HostIndex) -> None:
     store(index, b"a")
-    load, _, _ = index.begin_load("c", "ns", [b"a"], deadline=5.0)
+    load, _, _, _ = index.begin_load("c", "ns", [b"a"], deadline=5.0)
     index.allocate("c", "ns", [b"x", b"y"], 10, deadline=5.0)
     assert index.expire(now=4.0) == []
     assert len(index.expire(now=6.0)) == 2
@@ -102,7 +102,7 @@ def test_release_client_frees_only_its_leases(index: HostIndex) -> None:
     store(index, b"a", b"b")
     index.begin_load("dead", "ns", [b"a"], FAR)
     index.allocate("dead", "ns", [b"x"], 10, FAR)
-    kept, _, _ = index.begin_load("alive", "ns", [b"b"], FAR)
+    kept, _, _, _ = index.begin_load("alive", "ns", [b"b"], FAR)
     assert len(index.release_client("dead")) == 2
     assert index.leases == 1 and index.pinned_slots() == 1
     index.end_load(kept, "alive")
@@ -144,8 +144,8 @@ def test_hits_applied_by_an_eviction_still_reach_take_touched(index: HostIndex) 
 
 def test_a_lease_is_used_only_by_its_holder_and_for_its_kind(index: HostIndex) -> None:
     store(index, b"a")
-    load, _, _ = index.begin_load("c", "ns", [b"a"], FAR)
-    lease, _, _ = index.allocate("c", "ns", [b"x"], 10, FAR)
+    load, _, _, _ = index.begin_load("c", "ns", [b"a"], FAR)
+    lease, _, _, _ = index.allocate("c", "ns", [b"x"], 10, FAR)
     before = (index.leases, index.pinned_slots(), index.free_slots)
     with pytest.raises(LeaseError):
         index.commit(lease, "someone-else")
@@ -163,8 +163,8 @@ def test_a_lease_is_used_only_by_its_holder_and_for_its_kind(index: HostIndex) -
 
 def test_leases_and_generations_of_another_boot_never_match() -> None:
     first, second = (HostIndex(4, make_policy("lru", 4), boot) for boot in (1, 2))
-    lease, _, generations = first.allocate("c", "ns", [b"a"], 10, FAR)
-    other, _, other_generations = second.allocate("c", "ns", [b"b"], 10, FAR)
+    lease, _, generations, _ = first.allocate("c", "ns", [b"a"], 10, FAR)
+    other, _, other_generations, _ = second.allocate("c", "ns", [b"b"], 10, FAR)
     assert lease != other and generations != other_generations
     with pytest.raises(LeaseError):
         second.commit(lease, "c")
@@ -173,7 +173,7 @@ def test_leases_and_generations_of_another_boot_never_match() -> None:
 def test_every_allocation_gets_a_new_generation(index: HostIndex) -> None:
     seen = set()
     for i in range(12):  # three times the slots: every slot is reused
-        lease, _, generations = index.allocate("c", "ns", [b"%d" % i], 10, FAR)
+        lease, _, generations, _ = index.allocate("c", "ns", [b"%d" % i], 10, FAR)
         index.commit(lease, "c")
         seen.add(generations[0])
     assert len(seen) == 12
@@ -181,7 +181,7 @@ def test_every_allocation_gets_a_new_generation(index: HostIndex) -> None:
 
 def test_slot_of_an_expired_store_rests_before_reuse() -> None:
     index = HostIndex(2, make_policy("lru", 2), rest_seconds=10.0)
-    _, resting, _ = index.allocate("slow", "ns", [b"a"], 10, deadline=5.0)
+    _, resting, _, _ = index.allocate("slow", "ns", [b"a"], 10, deadline=5.0)
     assert len(index.expire(now=6.0)) == 1
     assert index.resting_slots == 1 and index.free_slots == 1
     for key in (b"b", b"c", b"d"):  # each evicts the one before rather than use the rest
@@ -270,7 +270,7 @@ def test_index_agrees_with_a_dict_under_colliding_digests(ops: list[tuple[str, i
                 if len(model) == 4:
                     model.popitem(last=False)
                 model[chunk] = None
-                lease, _, _ = index.allocate("c", namespace, [key], 10, FAR)
+                lease, _, _, _ = index.allocate("c", namespace, [key], 10, FAR)
                 index.commit(lease, "c")
             elif op == "hit" and chunk in model:
                 model.move_to_end(chunk)
@@ -300,7 +300,7 @@ def test_keys_longer_than_the_field_are_kept_whole() -> None:
     keys = [b"p" * 41, b"p" * 40 + b"q", b"p" * 1024, b"p" * 40]
     store(index, *keys)
     assert index.lookup("ns", [*keys, b"p" * 42]) == ([True] * 4 + [False], 4)
-    load, slots, _ = index.begin_load("c", "ns", keys, FAR)
+    load, slots, _, _ = index.begin_load("c", "ns", keys, FAR)
     assert [index.key_at(slot) for slot in slots] == [("ns", key) for key in keys]
     index.end_load(load, "c")
     assert index.ready_keys() == {"ns": set(keys)}
@@ -321,7 +321,7 @@ def test_lookup_by_digest_finds_only_published_chunks_of_its_namespace() -> None
         asked = digests("ns", [b"a", b"w", b"z"])
         assert index.lookup_digests("ns", asked) == [True, False, False]
         assert index.lookup_digests("other", asked) == [False, False, False]
-        lease, _, _ = index.allocate("c", "other", [b"a"], 10, FAR)
+        lease, _, _, _ = index.allocate("c", "other", [b"a"], 10, FAR)
         index.commit(lease, "c")
         assert index.lookup_digests("other", digests("other", [b"a"])) == [True]
         assert index.lookup_digests("ns", digests("other", [b"a"])) == [False]
@@ -350,7 +350,7 @@ def test_slots_taken_by_a_restart_are_never_handed_out(ops: list[str]) -> None:
         held = held_slots(index)
         unused = sorted(set(range(16)) - resting - held)
         if op == "store" or not unused:
-            lease, slots, _ = index.allocate("c", "ns", [b"s%d" % n], 8, float("inf"))
+            lease, slots, _, _ = index.allocate("c", "ns", [b"s%d" % n], 8, float("inf"))
             assert not set(slots) & resting
             if lease:
                 index.commit(lease, "c")

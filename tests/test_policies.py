@@ -73,7 +73,7 @@ def scan_then_reuse(policy_name: str, capacity: int = 100) -> int:
     hot = [b"hot-%d" % i for i in range(capacity // 2)]
 
     def store(keys: list[bytes]) -> None:
-        lease, _slots, _ = index.allocate("c", "ns", keys, 1, deadline=1e12)
+        lease, _slots, _, _ = index.allocate("c", "ns", keys, 1, deadline=1e12)
         index.commit(lease, "c")
 
     store(hot)

@@ -292,9 +292,10 @@ class Agent:
                     hits = host.lookup_digests(namespace, ds)
                     self.access_log.record_digests(namespace, ds, hits)
             case p.Allocate(namespace, keys, nbytes, parents, status):
-                lease, slots, generations, staging = host.allocate(
+                lease, slots, generations, staged = host.allocate(
                     client, namespace, keys, nbytes, parents
                 )
+                staging = list(staged)
                 if status:  # each key's outcome out of band
                     return p.LeaseReply(
                         lease,
@@ -316,7 +317,7 @@ class Agent:
                     return lambda: self._load_with_promotion(
                         client, namespace, keys, missing, source, deadline
                     )
-                lease, slots, generations = host.begin_load(client, namespace, keys)
+                lease, slots, generations, _ = host.begin_load(client, namespace, keys)
                 where = [0 if s >= 0 else Where.MISS for s in slots]
                 return p.LeaseReply(lease, slots, where, generations)
             case p.EndLoad(lease):
@@ -380,7 +381,7 @@ class Agent:
         assert self.tiers is not None
         self._ask_source(source, namespace, missing)
         promoted = self.tiers.promote(namespace, missing, deadline)
-        lease, slots, generations = self.host.begin_load(client, namespace, keys)
+        lease, slots, generations, _ = self.host.begin_load(client, namespace, keys)
         where = [
             Where.MISS if slot < 0 else promoted.get(key, 0)
             for key, slot in zip(keys, slots, strict=True)

@@ -345,7 +345,7 @@ def _fill(index: HostIndex, chunks: int) -> None:
     """Store and commit `chunks` new chunks, 1,024 a lease, keeping no key here."""
     for start in range(0, chunks, 1024):
         keys = [_index_key(i) for i in range(start, min(start + 1024, chunks))]
-        lease, _, _ = index.allocate("bench", NS, keys, PAGE, float("inf"))
+        lease, _, _, _ = index.allocate("bench", NS, keys, PAGE, float("inf"))
         index.commit(lease, "bench")
 
 

@@ -141,12 +141,15 @@ class Entry:
 
 class Grant(NamedTuple):
     """What a store or a load was granted: the lease (0 when no slot was), per key a slot or
-    the code saying why none (`StoreCode` for a store, `Where.MISS` for a load), and each
-    granted slot's generation, the stamp it carries while the lease holds (0 for no slot)."""
+    the code saying why none (`StoreCode` for a store, `Where.MISS` for a load), each
+    granted slot's generation, the stamp it carries while the lease holds (0 for no slot),
+    and for a store through the host tier, per key the staging slot the client writes its
+    chunk into (-1 for none; the index itself grants none)."""
 
     lease: int
     slots: list[int]
     generations: list[int]
+    staging: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)

@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -68,17 +67,6 @@ _SKIP_REASONS: dict[int, StoreSkip] = {
 COPY_BLOCK = 256 << 10  # copied then hashed while in cache
 # A sealed chunk to check again: its entry, length and checksum, read under the lock.
 _Check = tuple[Entry, int, int]
-
-
-class StoreGrant(NamedTuple):
-    """A store's `Grant` and, per key, the staging slot the client writes its chunk into
-    (-1 for none): the pool is read-only to clients, and a commit copies each staged chunk
-    into its pool slot. The grant's fields come first, in its order."""
-
-    lease: int
-    slots: list[int]
-    generations: list[int]
-    staging: list[int]
 
 
 class HostTier:
@@ -227,7 +215,7 @@ class HostTier:
         keys: list[bytes],
         nbytes: int,
         parents: list[bytes | None] | None = None,
-    ) -> StoreGrant:
+    ) -> Grant:
         """Reserve a pool slot and a staging slot per new key. Keys past the staging slots
         free right now get STAGING_FULL: the client stores them again once its earlier
         stores are committed. `parents`: each key's predecessor in its request, noted for the
@@ -239,7 +227,7 @@ class HostTier:
             )
         staging = [-1] * len(keys)
         with self._lock:
-            lease, slots, generations = self._index.allocate(
+            lease, slots, generations, _ = self._index.allocate(
                 client,
                 namespace,
                 keys,
@@ -259,7 +247,7 @@ class HostTier:
         for slot in slots:
             if slot in _SKIP_REASONS:
                 self._skipped.add(_SKIP_REASONS[slot])
-        return StoreGrant(lease, slots, generations, staging)
+        return Grant(lease, slots, generations, tuple(staging))
 
     def commit(self, lease: int, client: str) -> None:
         """Copy a store lease's staged chunks into their pool slots, checksumming each block
@@ -487,7 +475,7 @@ class HostTier:
             for i, key in enumerate(keys):
                 if self._promoting >= self._max_promoting:
                     break
-                lease, slots, generations = self._index.allocate(
+                lease, slots, generations, _ = self._index.allocate(
                     PROMOTER, namespace, [key], self.geometry.payload_bytes, deadline
                 )
                 if slots[0] >= 0:

@@ -254,7 +254,7 @@ class PeerServer:
         lease = 0
         if asked:
             host = self.host
-            lease, slots, _ = host.begin_load(LENDER, namespace, asked)
+            lease, slots, _, _ = host.begin_load(LENDER, namespace, asked)
             headers = host.sealed_headers(namespace, asked, slots)
             for slot, header in zip(slots, headers, strict=True):
                 chunks.append((slot, header) if header is not None else Answer.ABSENT)
