@@ -61,6 +61,7 @@ def test_table_agrees_with_a_dict(ops: list[tuple[bool, int, int]]) -> None:
                 want = model.get(d_)
                 assert (slot_, gen_) == (want if want else (-1, 0))
                 assert reader.find_one(d_) == (want if want else (-1, 0))
+                assert reader.holds(d_) is (want is not None)
         assert writer.entries == len(model)
     finally:
         writer.close()

@@ -271,9 +271,10 @@ class AgentClient:
                 raise ValueError("lookup needs one digest per key")
             slots, _ = index.find(ds)
             held = slots >= 0
-            if self.pool_answers(bool(held.all())):
+            all_held = bool(held.all())
+            if self.pool_answers(all_held):
                 self.reports.request(namespace, ds)
-                prefix = len(keys) if held.all() else int(held.argmin())
+                prefix = len(keys) if all_held else int(held.argmin())
                 return LookupResult(held.tolist(), prefix, np.where(held, 0, -1).tolist())
         reply = self._call(p.Lookup(namespace, keys, source), p.LookupReply)
         return LookupResult(reply.hits, reply.prefix, reply.where)
@@ -284,16 +285,11 @@ class AgentClient:
         scheduler thread). None when only the agent can say: there is no live index to ask
         (not connected, the agent gone or restarted), or the index does not answer alone
         (`pool_answers`). Not reported: see `reports`."""
-        index = self.index
-        if (
-            self.hello is None
-            or index is None
-            or index.retired
-            or not index.alive_within(ALIVE_SECONDS)
-        ):
+        index, hello = self.index, self.hello
+        if hello is None or index is None or not index.usable_within(ALIVE_SECONDS):
             return None
-        held = index.find_one(key_digest)[0] >= 0
-        return held if self.pool_answers(held) else None
+        held = index.holds(key_digest)
+        return held if held or not hello.tiers else None
 
     def _report_tick(self) -> None:
         """On the reporting thread: send what waits; an idle engine too lets go of a

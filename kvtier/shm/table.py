@@ -73,6 +73,7 @@ _HEADER = struct.Struct("<8sIIQQQ")  # magic, version, window, capacity, positio
 MOVES_OFFSET = 64  # u64: odd while the agent shifts entries
 RETIRED_OFFSET = 72  # u64: nonzero once a newer agent process replaced this table
 ENTRIES_OFFSET = 80  # u64: entries published (informational)
+_MOVES_WORD = MOVES_OFFSET // 8
 _MASK = (1 << 64) - 1
 _K_LEN = 0x9E3779B97F4A7C15
 _K_WORD = 0xC2B2AE3D27D4EB4F
@@ -376,10 +377,18 @@ class TableReader:
         self._meta_at = PAGE // 8
         self._digest_at = self._meta_at + step
         self._gen_at = self._meta_at + 2 * step
+        self._int_mask = self.capacity - 1
+        self._positions = m.positions
+        self._meta_words = self._words[self._meta_at : self._meta_at + m.positions]
+        self._digest_words = self._words[self._digest_at : self._digest_at + m.positions]
 
     @property
     def retired(self) -> bool:
         return bool(self._words[RETIRED_OFFSET // 8])
+
+    def usable_within(self, seconds: float) -> bool:
+        """Not `retired`, and `alive_within(seconds)`: what a per-key caller tests."""
+        return not self._words[RETIRED_OFFSET // 8] and self.alive_within(seconds)
 
     def alive_within(self, seconds: float) -> bool:
         """`alive`, tested at most once per `seconds` (a per-key caller asks thousands of
@@ -437,25 +446,19 @@ class TableReader:
         unresolved then (caught mid-write, or missed while entries moved) is probed again
         on its own (`find_one`).
         """
-        n = len(ds)
-        slots = np.full(n, -1, np.int64)
-        gens = np.zeros(n, np.uint64)
-        todo: npt.NDArray[np.intp] | None = None  # None: every key
-        want = ds
         base = (ds & self._mask).astype(np.intp)
-        for _ in range(3):
-            got, gen, again = self._probe(want, base)
-            if todo is None:
-                slots[:], gens[:] = got, gen
-                todo = np.flatnonzero(again)
-            else:
-                slots[todo], gens[todo] = got, gen
-                todo = todo[again]
-            if not len(todo):
-                return slots, gens
+        slots, gens, again = self._probe(ds, base)
+        if not again.any():  # the common case: every key resolved in its first window
+            return slots, gens
+        todo = np.flatnonzero(again)
+        for _ in range(2):
             want = ds[todo]
             base = np.minimum(base[again] + WINDOW, self._last)
-        assert todo is not None
+            got, gen, again = self._probe(want, base)
+            slots[todo], gens[todo] = got, gen
+            todo = todo[again]
+            if not len(todo):
+                return slots, gens
         for i in todo.tolist():
             slots[i], gens[i] = self.find_one(int(ds[i]))
         return slots, gens
@@ -485,6 +488,32 @@ class TableReader:
         found = _any_rows(match)
         ended = _any_rows(rows == 0)
         return slots, gens, ~good & (found | ~ended)
+
+    def holds(self, d: int) -> bool:
+        """Whether the table holds digest `d`: `find_one`'s slot is not -1. Its first probe
+        inlined, with the fewest reads (no generation), for the per-key callers; a probe
+        caught mid-write or while entries moved is left to `find_one`."""
+        digest_words, meta_words = self._digest_words, self._meta_words
+        moves = self._words[_MOVES_WORD]
+        pos = d & self._int_mask
+        limit = self._positions
+        while pos < limit:
+            seen = digest_words[pos]
+            if seen == d:
+                meta1 = meta_words[pos]
+                again = digest_words[pos]
+                if meta1 == meta_words[pos] and not meta1 & 1 and again == d:
+                    return True
+                break
+            if seen == 0:
+                after = self._words[_MOVES_WORD]
+                if after == moves and not after & 1:
+                    return False
+                break
+            pos += 1
+        else:
+            return False
+        return self.find_one(d)[0] >= 0
 
     def find_one(self, d: int, rounds: int = 4) -> tuple[int, int]:
         """`find` for one digest, in plain integers (the plug-in asks per key)."""

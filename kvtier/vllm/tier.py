@@ -19,6 +19,7 @@ and for any request in that time, so vLLM never issues the failed promotion agai
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
@@ -46,7 +47,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvtier.api.fingerprint import describe, engine_fingerprint, with_hash_seed
 from kvtier.client.connection import AgentClient, AgentError, AgentRefused, AgentUnavailable
-from kvtier.shm.table import digest
+from kvtier.shm.table import digest, digests
 from kvtier.vllm.chains import PrefixChains
 from kvtier.vllm.events import EventFeed
 from kvtier.vllm.jobs import JobRunner
@@ -56,6 +57,7 @@ from kvtier.vllm.metrics import Metrics, Observations, metric_definitions
 # VLLM_LOGGING_LEVEL), so this is how the plug-in's lines reach a vLLM user's output.
 log = logging.getLogger("vllm.kvtier")
 
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY  # no enum lookups
 FAILED_LOAD_SECONDS = 5.0  # a key whose load failed is a miss this long (no retry livelock)
 
 
@@ -126,31 +128,36 @@ def source_of(req_context: Any) -> str:
 class _AgentLookup(AsyncLookupManager):
     """vLLM's async-lookup helper: one batch per scheduler step, on its own thread.
 
-    The index digests the tier computed for the keys it asks about (`ask`) go along with
-    them, so that a key is digested once: those of this step's keys and the last step's
-    are kept, which covers a batch looked up during the step after it was flushed; one
-    that waited longer behind slower batches digests its keys again."""
+    The index digests the tier computed for the keys it asks about go along with them
+    (`KVTierSecondaryTier.digest_of`), so that a key is digested once; a key whose digest
+    the tier no longer keeps is digested by the client."""
 
     def __init__(self, tier: KVTierSecondaryTier) -> None:
         super().__init__(tier_type=tier.tier_type)
         self._tier = tier
-        self._digests: dict[OffloadKey, int] = {}  # this step's (scheduler thread)
-        self._older: dict[OffloadKey, int] = {}  # the last step's
-
-    def ask(self, key: OffloadKey, req_context: ReqContext, key_digest: int) -> bool | None:
-        self._digests[key] = key_digest
-        found: bool | None = self.lookup(key, req_context)
-        return found
-
-    def flush(self) -> None:
-        super().flush()
-        self._older, self._digests = self._digests, {}
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        older, current = self._older, self._digests
-        found = [current.get(k, older.get(k)) for k in keys]
+        found = self._tier.digests_of(keys)
         key_digests = None if None in found else np.array(found, np.uint64)
         return self._tier.agent_lookup(keys, source_of(req_context), key_digests)
+
+
+DIGESTS_KEPT = 1 << 16  # keys whose index digest the tier keeps (twice this at most)
+
+
+@dataclass(eq=False)
+class _Asked:
+    """One request's lookups in this tier (scheduler thread). What the scheduler step
+    looked up is told to the prefix chains, reported to the agent and counted once, at the
+    end of the step (`KVTierSecondaryTier._settle_asked`), not per key."""
+
+    context: ReqContext
+    source: str
+    answered: set[OffloadKey] = field(default_factory=set)  # answered from the index
+    noted: list[OffloadKey] = field(default_factory=list)  # for the chains, this step
+    report: list[int] = field(default_factory=list)  # digests to report, this step
+    hits: int = 0  # among `report`
+    digested: int = 0  # how many of the context's keys were digested ahead
 
 
 class KVTierSecondaryTier(SecondaryTierManager):
@@ -205,9 +212,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._refusals: set[str] = set()
         self._connect_lock = threading.Lock()
         self._lookup = _AgentLookup(self)
-        # The keys each request already reported (each key once; the client's batcher
-        # reports a request's keys of one step as one request).
-        self._reported: dict[str, set[OffloadKey]] = {}
+        # Each request's lookups (each key reported once; a request's keys of one step
+        # are reported as one request), those of this step's requests still to settle,
+        # and the keys' index digests (two generations of at most DIGESTS_KEPT).
+        self._asked: dict[str, _Asked] = {}
+        self._unsettled: list[_Asked] = []
+        self._digests: dict[OffloadKey, int] = {}
+        self._older_digests: dict[OffloadKey, int] = {}
         # Load jobs in flight, and the keys whose load failed (both on vLLM's side only).
         self._loads: dict[int, TransferJob] = {}
         self._failed: dict[OffloadKey, _FailedLoad] = {}
@@ -279,43 +290,106 @@ class KVTierSecondaryTier(SecondaryTierManager):
     # --- SecondaryTierManager -------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        failed = self._failed.get(key)
-        if failed is not None and failed.holds(req_context.req_id, time.monotonic()):
-            return LookupResult.MISS
-        self._chains.note([bytes(key)], req_context)
-        if source_of(req_context):  # direct mode: the agent asks the source
+        """On vLLM's scheduler thread, per key: a key the published index answers for costs
+        a dict lookup of its digest (kept: `_digest`), a probe of the index and a few list and
+        set operations; what is told to others waits for the end of the step."""
+        if self._failed:
+            failed = self._failed.get(key)
+            if failed is not None and failed.holds(req_context.req_id, time.monotonic()):
+                return MISS
+        asked = self._asked.get(req_context.req_id)
+        if asked is None or asked.context is not req_context:
+            asked = self._asking(req_context, asked)
+        if not asked.noted:
+            self._unsettled.append(asked)
+        asked.noted.append(key)
+        if asked.source:  # direct mode: the agent asks the source
             found = self._lookup.lookup(key, req_context)
         else:
-            key_digest = digest(self.namespace, bytes(key))
-            local = self._local_lookup(key, key_digest, req_context.req_id)
-            if local is not None:
-                return local
-            found = self._lookup.ask(key, req_context, key_digest)
+            key_digest = self._digests.get(key)
+            if key_digest is None:
+                key_digest = self._digest(key, asked)
+            held = self._client.find(key_digest)
+            if held is not None:
+                if key not in asked.answered:
+                    asked.answered.add(key)
+                    asked.report.append(key_digest)
+                    if held:
+                        asked.hits += 1
+                return HIT if held else MISS
+            found = self._lookup.lookup(key, req_context)
         if found is None:
-            return LookupResult.RETRY
-        return LookupResult.HIT if found else LookupResult.MISS
+            return RETRY
+        return HIT if found else MISS
 
-    def _local_lookup(self, key: OffloadKey, key_digest: int, req_id: str) -> LookupResult | None:
-        """The published index's answer, in this scheduler step (`AgentClient.find`); None
-        when only the agent can say (no index yet, secondary tiers to look in)."""
-        held = self._client.find(key_digest)
-        if held is None:
-            return None
-        reported = self._reported.setdefault(req_id, set())
-        if key not in reported:
-            reported.add(key)
-            self._client.reports.key(self.namespace, req_id, key_digest)
-            self._record("counter", Metrics.LOOKUPS, 1)
-            if held:
-                self._record("counter", Metrics.HITS, 1)
-        return LookupResult.HIT if held else LookupResult.MISS
+    def _asking(self, req_context: ReqContext, asked: _Asked | None) -> _Asked:
+        """The request's record, made on its first lookup (or taken over by a new context
+        of the same request id)."""
+        if asked is None:
+            asked = self._asked[req_context.req_id] = _Asked(req_context, source_of(req_context))
+        else:
+            asked.context, asked.source = req_context, source_of(req_context)
+            asked.digested = 0
+        return asked
+
+    def _digest(self, key: OffloadKey, asked: _Asked) -> int:
+        """The index digest of a key not kept yet. vLLM records every key of a request
+        with its position in the request's context before it looks any up: those not
+        digested yet are digested together (vectorised), so the request's later lookups
+        find theirs kept. A key the context does not name is digested alone."""
+        kept, older = self._digests, self._older_digests
+        key_digest = older.get(key)
+        if key_digest is None:
+            positions = getattr(asked.context, "_offload_key_positions", None)
+            if isinstance(positions, dict) and len(positions) > asked.digested:
+                ahead = [
+                    k
+                    for k in itertools.islice(positions, asked.digested, None)
+                    if k not in kept and k not in older
+                ]
+                asked.digested = len(positions)
+                if len(ahead) > 1:
+                    kept.update(zip(ahead, digests(self.namespace, ahead).tolist(), strict=True))
+                    key_digest = kept.get(key)
+            if key_digest is None:
+                key_digest = digest(self.namespace, bytes(key))
+        kept[key] = key_digest
+        if len(kept) > DIGESTS_KEPT:
+            self._older_digests, self._digests = kept, {}
+        return key_digest
+
+    def digests_of(self, keys: list[OffloadKey]) -> list[int | None]:
+        """The kept index digests of `keys` (None for a key not kept); any thread."""
+        kept, older = self._digests, self._older_digests
+        return [kept.get(k) or older.get(k) for k in keys]
+
+    def _settle_asked(self) -> None:
+        """This step's lookups: to the prefix chains, and those answered from the index to
+        the agent (each request's keys as one request) and to the metrics."""
+        unsettled, self._unsettled = self._unsettled, []
+        lookups = hits = 0
+        for asked in unsettled:
+            if asked.noted:
+                self._chains.note(asked.noted, asked.context)
+                asked.noted = []
+            if asked.report:
+                self._client.reports.request(self.namespace, np.array(asked.report, np.uint64))
+                lookups += len(asked.report)
+                hits += asked.hits
+                asked.report, asked.hits = [], 0
+        if lookups:
+            self._record("counter", Metrics.LOOKUPS, lookups)
+            if hits:
+                self._record("counter", Metrics.HITS, hits)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookup.cleanup(req_context.req_id)
-        self._reported.pop(req_context.req_id, None)
+        asked = self._asked.pop(req_context.req_id, None)
+        if asked is not None and asked.noted:
+            self._settle_asked()  # before the chains forget the request
         self._chains.forget(req_context.req_id)
         for failed in self._failed.values():
             failed.requests.discard(req_context.req_id)
@@ -328,12 +402,14 @@ class KVTierSecondaryTier(SecondaryTierManager):
         # the lookups answered here this step, one request each, to the agent in one
         # one-way message (it counts them, refreshes recency, logs the requests), and the
         # bytes loaded without a lease
-        self._client.reports.end_step()
+        self._settle_asked()
         self._client.flush_reports(block=False)
         if self._events is not None and self._events.due(now):
             self._events.polling(self._jobs.run_soon(self._poll_events))
 
     def submit_store(self, job_metadata: TransferJob) -> None:
+        if self._unsettled:  # the chains know the keys looked up before it asks parents
+            self._settle_asked()
         self._jobs.submit(lambda: self._run_job(self._store, job_metadata))
 
     def submit_load(self, job_metadata: TransferJob) -> None:

@@ -267,6 +267,52 @@ def test_a_lookup_that_asks_the_agent_digests_its_key_once(
     assert by_client == []
 
 
+def test_a_requests_keys_are_digested_together_and_its_lookups_settled_once_a_step(
+    driver: Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM records every key of a request with its position before it looks any up: the
+    first lookup digests them all in one vectorised pass, the later ones find theirs kept.
+    What the step looked up reaches the prefix chains, the agent's reports and the metrics
+    at the end of the step, each key once per request."""
+    stored = [chunk_key(i) for i in range(3)]
+    driver.rows[:3] = 7
+    assert driver.store(stored, [0, 1, 2]).success
+    keys = [*stored, chunk_key(50), chunk_key(51)]
+    ctx = ReqContext(req_id="positions")
+    for i, key in enumerate(keys):
+        ctx.set_offload_key_position(key, 32 * (i + 1))
+    one_by_one: list[bytes] = []
+    together: list[list[bytes]] = []
+    one, many = plugin.digest, plugin.digests
+    monkeypatch.setattr(plugin, "digest", lambda ns, k: one_by_one.append(k) or one(ns, k))
+    monkeypatch.setattr(plugin, "digests", lambda ns, ks: together.append(list(ks)) or many(ns, ks))
+    tier = driver.tier
+    for _ in range(2):
+        assert [tier.lookup(k, ctx) for k in keys] == [HIT, HIT, HIT, MISS, MISS]
+    assert one_by_one == [] and together == [keys]
+    assert tier._chains.parents([bytes(chunk_key(52))], ctx) is None  # not settled yet
+    sent: list[p.Looked] = []
+    real_take = tier._client.reports.take
+
+    def take() -> list[p.Looked]:
+        messages = real_take()
+        sent.extend(messages)
+        return messages
+
+    monkeypatch.setattr(tier._client.reports, "take", take)
+    tier.get_stats()  # what the store recorded
+    driver.step()
+    ctx.set_offload_key_position(chunk_key(52), 32 * 6)
+    assert tier._chains.parents([bytes(chunk_key(52))], ctx) == [bytes(keys[-1])]
+    counts = tier.get_stats().data["data"]
+    assert sum(counts["vllm:kvtier_lookup_keys"].values()) == 5
+    assert sum(counts["vllm:kvtier_lookup_hits"].values()) == 3
+    tier._client.flush_reports()
+    reported = [m for m in sent if m.sizes]
+    assert [m.sizes for m in reported] == [[5]]  # one request of each key once
+    tier.on_request_finished(ctx)
+
+
 def test_a_refused_store_is_said_once_and_is_no_outage(
     make_config: Callable[..., AgentConfig],
     agent_factory: StartAgent,
