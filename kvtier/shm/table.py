@@ -387,8 +387,14 @@ class TableReader:
         return bool(self._words[RETIRED_OFFSET // 8])
 
     def usable_within(self, seconds: float) -> bool:
-        """Not `retired`, and `alive_within(seconds)`: what a per-key caller tests."""
-        return not self._words[RETIRED_OFFSET // 8] and self.alive_within(seconds)
+        """Not `retired`, and `alive_within(seconds)` (inlined): what a per-key caller tests."""
+        if self._words[RETIRED_OFFSET // 8]:
+            return False
+        now = time.monotonic()
+        if now - self._alive_at > seconds:
+            self._alive = self.alive()
+            self._alive_at = now
+        return self._alive
 
     def alive_within(self, seconds: float) -> bool:
         """`alive`, tested at most once per `seconds` (a per-key caller asks thousands of
