@@ -103,6 +103,14 @@ def render_vllm(result: dict[str, Any], console: Console) -> None:
         ours, theirs = result[f"kvtier_{op}_gbps"], result[f"native_fs_{op}_gbps"]
         table.add_row(op, f"{ours:.2f}", f"{theirs:.2f}", f"{ours / theirs:.2f}")
     console.print(table)
+    if "lookup_per_key_p50_us" in result:
+        console.print(
+            f"KVTierSecondaryTier.lookup per key: p50 {result['lookup_per_key_p50_us']:.2f} µs, "
+            f"p99 {result['lookup_per_key_p99_us']:.2f} µs (dict lookup "
+            f"{result['dict_lookup_p50_us']:.2f} / {result['dict_lookup_p99_us']:.2f} µs); "
+            f"1k keys p99 {result['lookup_1k_p99_us']:.0f} µs, "
+            f"{result['lookup_1k_p99_ratio_vs_ipc_rtt']:.2f}x the ipc round trip"
+        )
     console.print(
         f"{result['chunks']} chunks of {format_bytes(result['row_bytes'])}; vLLM "
         f"{result['vllm_version']}"
