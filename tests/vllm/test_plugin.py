@@ -134,7 +134,7 @@ def test_agent_killed_mid_job_then_restarted(
     )
 
 
-def collect_events(engine: Engine, want: int, timeout: float = 10.0) -> list[Any]:
+def collect_events(engine: Engine, want: int, timeout: float = 30.0) -> list[Any]:
     events: list[Any] = []
     deadline = time.monotonic() + timeout
     while sum(len(e.keys) for e in events) < want and time.monotonic() < deadline:
