@@ -378,10 +378,14 @@ class Kubelet:
         """The image's layers as read-only binds (this machine's system directories, the
         interpreter and the project with its environment, at their own paths), its links,
         and the files of its /etc."""
+        layers = [Path("/usr"), Path("/etc/ssl"), Path(sys.base_prefix), Path(sys.prefix)]
+        # The project by its entries, not as one bind: a checkout in a directory only root may
+        # enter (`mktemp -d` makes it 0700) would shut the image's user out of all of it.
+        layers += sorted(p for p in REPO.iterdir() if not p.is_symlink())
         binds = [
             {"source": str(d), "inside": str(d), "readOnly": True}
-            for d in (Path("/usr"), Path("/etc/ssl"), Path(sys.base_prefix), Path(sys.prefix), REPO)
-            if d.is_dir()
+            for d in dict.fromkeys(layers)
+            if d.is_dir() or d.is_file()
         ]
         # The plug-in payload, made and placed as the Dockerfile does for the webhook's init
         # container: the plug-in's packages only.
