@@ -3,6 +3,7 @@ tier's stats, chunks stored on one node until another finds them."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,12 @@ from kvtier.api.stats import TierStats
 from kvtier.client.connection import AgentClient
 from tests.agent_helpers import store, wait_for
 from tests.helpers import NS, key
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def node_config(

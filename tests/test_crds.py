@@ -73,7 +73,7 @@ def test_good_tier_is_admitted_with_defaults() -> None:
     # the default the operator and the CSI plugin assume when a stored spec lacks one
     assert spec["host"]["chunkSize"] == DEFAULT_CHUNK_SIZE and spec["targetContainer"] == "vllm"
     assert spec["tiers"][0]["filesystem"]["lowWatermark"] == 0.8
-    assert spec["tiers"][2]["peer"]["transports"] == ["nixl", "zmq"]
+    assert spec["tiers"][2]["peer"]["transports"] == ["nixl", "tcp", "zmq"]
     assert spec["isolation"] == "shared"
 
 
@@ -130,6 +130,12 @@ def test_good_tier_is_admitted_with_defaults() -> None:
             "spec.tiers[0].filesystem",
             "exactly one of pvc or nfs",
         ),
+        (
+            {"tiers": [{"name": "p", "peer": {"port": 6000, "dataPort": 6000}}]},
+            "spec.tiers[0].peer",
+            "dataPort must differ from port",
+        ),
+        ({"tiers": [{"name": "p", "peer": {"dataPort": 5557}}]}, "spec.tiers[0].peer", "differ"),
         ({"isolation": "cluster"}, "spec.isolation", "is not one of"),
     ],
 )

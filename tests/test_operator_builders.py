@@ -331,9 +331,12 @@ def test_peer_tier_gets_its_port_keys_and_address() -> None:
     ("transports", "data_path"),
     [
         (None, "auto"),
-        (["nixl", "zmq"], "auto"),
+        (["nixl", "tcp", "zmq"], "auto"),
+        (["nixl", "zmq"], "auto"),  # as stored before tcp existed: the stream too
         (["zmq", "nixl"], "auto"),
         (["nixl"], "nixl"),
+        (["tcp"], "tcp"),
+        (["zmq", "tcp"], "tcp"),
         (["zmq"], "zmq"),
     ],
 )
@@ -353,6 +356,13 @@ def test_peer_transports_choose_the_agents_data_path(
     assert config.tiers[0].peer is not None
     assert config.tiers[0].peer.data_path == data_path
     assert config.tiers[0].peer.max_lent_chunks == 32
+    # the sealed stream listens on the peer port + 1, which the pod declares, unless only
+    # ZMQ frames are allowed
+    ports = by_kind(build_children(resource, SETTINGS))["DaemonSet"]["spec"]["template"]["spec"]
+    declared = {p["name"]: p["containerPort"] for p in ports["containers"][0]["ports"]}
+    stream = None if data_path == "zmq" else 5558
+    assert config.tiers[0].peer.stream_port == stream
+    assert declared.get("peer-data") == stream
 
 
 def test_observed_generation_is_the_generation_last_reconciled() -> None:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from tests import netns
 from tests.agent_helpers import find_slot, load_exact, scrape, wait_for
 from tests.conftest import ROW
 from tests.helpers import NS, key, row, wait_settled
-from tests.peer_helpers import node_config, peer_stats, shared_between
+from tests.peer_helpers import free_port, node_config, peer_stats, shared_between
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
 
@@ -37,7 +36,10 @@ def moved_chunks(client: AgentClient) -> int:
     """Chunks that arrived from peers, over either data path."""
     counts = peer_stats(client).peer
     assert counts is not None
-    return counts.nixl_reads + counts.zmq_reads
+    return counts.nixl_reads + counts.stream_reads + counts.zmq_reads
+
+
+READS = {"nixl": "nixl_reads", "tcp": "stream_reads", "zmq": "zmq_reads"}  # by dataPath
 
 
 def test_chunks_stored_on_one_node_are_loaded_on_another(
@@ -85,7 +87,7 @@ def test_rendezvous_homes_move_only_for_changed_members() -> None:
     assert 100 < len(moved) < 320  # about a tenth of the keys
 
 
-@pytest.mark.parametrize("data_path", ["nixl", "zmq"])
+@pytest.mark.parametrize("data_path", ["nixl", "tcp", "zmq"])
 def test_direct_mode_fetches_from_the_named_source(
     make_config: Callable[..., AgentConfig],
     agent_factory: StartAgent,
@@ -93,8 +95,8 @@ def test_direct_mode_fetches_from_the_named_source(
     data_path: str,
 ) -> None:
     """P/D: the decode side's request names the prefill side's agent (a live member of the
-    tier), which is asked directly, before its announcements reach the keys' homes. Both data
-    paths move the bytes."""
+    tier), which is asked directly, before its announcements reach the keys' homes. Every data
+    path moves the bytes."""
     prefill = agent_factory(node_config(make_config, scratch, "prefill", None, **paced(data_path)))
     decode_config = node_config(make_config, scratch, "decode", None, **paced(data_path))
     agent_factory(decode_config)
@@ -112,8 +114,8 @@ def test_direct_mode_fetches_from_the_named_source(
         outs = [np.zeros(ROW, np.uint8) for _ in range(3)]
         assert consumer.load_into(NS, keys[1:4], outs, source=source) == [True] * 3
         assert all(np.array_equal(o, row(i + 1, ROW)) for i, o in enumerate(outs))
-        moved = getattr(peer_stats(consumer).peer, f"{data_path}_reads")
-        assert moved >= 3  # the first chunk may have come over ZMQ while NIXL connected
+        moved = getattr(peer_stats(consumer).peer, READS[data_path])
+        assert moved >= 3  # the first chunk may have come another way while NIXL connected
         metrics = scrape(consumer.stats().metrics_port)
         assert metrics[f'kvtier_peer_chunks_total{{path="{data_path}"}}'] == moved
     with AgentClient(prefill.config.endpoint) as producer:
@@ -126,18 +128,13 @@ def paced(data_path: str) -> dict[str, Any]:
     return {"dataPath": data_path, "timeoutSeconds": 1.2}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_a_restarted_holder_is_read_through_its_new_nixl_agent(
     make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
 ) -> None:
     """The holder restarts at the same address with a new NIXL agent (its pool survives):
-    the first transfer after it notices the change and falls back to ZMQ, the next ones use
-    NIXL again; every chunk arrives intact."""
+    the first transfer after it notices the change and falls back to the sealed stream (its
+    kept connection to the old process broken), the next ones use NIXL again; every chunk
+    arrives intact."""
     holder_config = node_config(
         make_config, scratch, "node-a", None, dataPath="nixl", bind=f"tcp://127.0.0.1:{free_port()}"
     )
@@ -159,8 +156,9 @@ def test_a_restarted_holder_is_read_through_its_new_nixl_agent(
         counts = peer_stats(consumer).peer
     assert counts is not None
     assert counts.nixl_failures >= 1
-    assert counts.zmq_reads >= 1  # the transfer that found the old agent gone
-    assert counts.zmq_reads + counts.nixl_reads == 6
+    assert counts.stream_reads >= 1  # the transfer that found the old agent gone
+    assert counts.stream_failures == 0
+    assert counts.stream_reads + counts.nixl_reads == 6
     assert counts.nixl_reads >= 4
 
 
@@ -349,7 +347,7 @@ def test_a_read_of_an_entry_gone_stale_is_a_miss(
         assert peer_stats(asker).counts.read_errors == 0
 
 
-@pytest.mark.parametrize("data_path", ["nixl", "zmq"])
+@pytest.mark.parametrize("data_path", ["nixl", "tcp", "zmq"])
 def test_a_chunk_damaged_in_the_holders_pool_is_never_served_by_a_peer(
     make_config: Callable[..., AgentConfig],
     agent_factory: StartAgent,
@@ -377,7 +375,7 @@ def test_a_chunk_damaged_in_the_holders_pool_is_never_served_by_a_peer(
         outs = [np.zeros(ROW, np.uint8) for _ in range(2)]
         assert asker.load_into(NS, keys[1:], outs) == [False, True]
         assert np.array_equal(outs[1], row(2, ROW))
-        assert moved_chunks(asker) == before + 1  # over NIXL, or ZMQ while NIXL connects
+        assert moved_chunks(asker) == before + 1  # over NIXL, or TCP while NIXL connects
         # Nothing damaged entered the asker's pool, and told of it, the holder checked its
         # copy, dropped it and withdrew it from the directory: no client of either node is
         # served the bad bytes.

@@ -165,11 +165,19 @@ class PeerTierConfig(_Model):
     idle_seconds: float = Field(
         default=60.0, gt=0, description="Connections to a peer unused this long are closed."
     )
-    data_path: Literal["auto", "nixl", "zmq"] = Field(
+    data_path: Literal["auto", "nixl", "tcp", "zmq"] = Field(
         default="auto",
         description="How chunk bytes move between agents: NIXL (UCX) reads straight between "
-        "the pools, ZMQ frames otherwise. auto: NIXL where installed on both sides; nixl: "
-        "refuse to start without it.",
+        "the pools; tcp: a sealed stream (AES-GCM under a key sent over CURVE); zmq: ZMQ "
+        "frames. auto: NIXL where installed on both sides, else the sealed stream; nixl: "
+        "the same, refusing to start without NIXL. Each falls back to ZMQ frames.",
+    )
+    stream_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="TCP port of the sealed stream (on the peer endpoint's address); "
+        "default: the peer port + 1, any free port when `bind` picks its own.",
     )
     max_lent_chunks: int = Field(
         default=256,

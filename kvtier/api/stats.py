@@ -32,7 +32,9 @@ TierCount = Literal[
 PeerCount = Literal[
     "nixl_reads",
     "zmq_reads",
+    "stream_reads",
     "nixl_failures",
+    "stream_failures",
     "busy",
     "batch_errors",
     "reannounced",
@@ -70,8 +72,10 @@ class PeerCounts(msgspec.Struct, kw_only=True):
     """The peer tier's traffic since the agent started, and its state now."""
 
     nixl_reads: int = 0  # chunks read from other agents over NIXL
-    zmq_reads: int = 0  # ... over ZMQ
-    nixl_failures: int = 0  # NIXL connections or transfers that failed (ZMQ took over)
+    zmq_reads: int = 0  # ... as ZMQ frames
+    stream_reads: int = 0  # ... over the sealed stream (AES-GCM over TCP)
+    nixl_failures: int = 0  # NIXL connections or transfers that failed (another path took over)
+    stream_failures: int = 0  # sealed streams that broke or could not connect (ZMQ took over)
     busy: int = 0  # chunks holders refused to lend, being busy
     batch_errors: int = 0  # batched reads from a holder that failed
     reannounced: int = 0  # keys re-announced to their homes

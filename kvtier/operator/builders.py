@@ -30,6 +30,7 @@ CSI_DRIVER = "csi.kvtier.io"
 TIER_VOLUME = "kvtier"  # the CSI volume's name in agent and vLLM pods
 S3_MOUNT = "/etc/kvtier/s3"
 CURVE_MOUNT = "/etc/kvtier/curve"
+DEFAULT_TRANSPORTS = ["nixl", "tcp", "zmq"]  # the CRD's default
 MEMORY_OVERHEAD = 512 << 20  # agent process, page tables, write-back buffers
 
 
@@ -91,10 +92,23 @@ def nfs_volume_name(tier: Manifest, entry: str) -> str:
 
 
 def data_path(transports: list[str]) -> str:
-    """The agent's `dataPath` for the tier's allowed peer transports."""
-    if "nixl" not in transports:
-        return "zmq"
-    return "auto" if "zmq" in transports else "nixl"
+    """The agent's `dataPath` for the tier's allowed peer transports. A list stored before
+    `tcp` existed ([nixl, zmq], then the default) gets the sealed stream too: it is the
+    same agents' TCP connections, encrypted at less cost."""
+    allowed = set(transports)
+    if allowed == {"nixl"}:
+        return "nixl"
+    if "nixl" in allowed:
+        return "auto"
+    return "tcp" if "tcp" in allowed else "zmq"
+
+
+def peer_data_port(peer: Manifest) -> int | None:
+    """The sealed stream's port (`dataPort`, else the peer port + 1); None when the
+    tier's transports never use it."""
+    if data_path(peer.get("transports", DEFAULT_TRANSPORTS)) == "zmq":
+        return None
+    return int(peer.get("dataPort", peer.get("port", 5557) + 1))
 
 
 def _filesystem_tier(entry: Manifest) -> Manifest:
@@ -110,9 +124,11 @@ def _filesystem_tier(entry: Manifest) -> Manifest:
 
 def _peer_tier(entry: Manifest) -> Manifest:
     peer = entry["peer"]
+    stream = peer_data_port(peer)
     return {
         "bind": f"tcp://0.0.0.0:{peer.get('port', 5557)}",
-        "dataPath": data_path(peer.get("transports", ["nixl", "zmq"])),
+        "dataPath": data_path(peer.get("transports", DEFAULT_TRANSPORTS)),
+        **({"streamPort": stream} if stream is not None else {}),
         "maxLentChunks": peer.get("maxLentChunks", 256),
         # always authenticated: the named Secret, or the one made for it
         "curveKeyDir": f"{CURVE_MOUNT}/{entry['name']}",
@@ -157,6 +173,8 @@ def _event_stream(spec: Manifest) -> Manifest:
     for i, t in enumerate(spec.get("tiers", [])):
         if "peer" in t:
             taken[f"spec.tiers[{i}].peer.port"] = t["peer"].get("port", 5557)
+            if (stream := peer_data_port(t["peer"])) is not None:
+                taken[f"spec.tiers[{i}].peer.dataPort"] = stream
     for field, port in taken.items():
         if port in ports:
             raise ConfigError(
@@ -319,6 +337,16 @@ def agent_resources(spec: Manifest) -> Manifest:
 EVENT_PORT_NAMES = ("events", "events-replay")
 
 
+def _peer_container_ports(spec: Manifest) -> list[Manifest]:
+    ports = []
+    for t in spec.get("tiers", []):
+        if "peer" in t:
+            ports.append({"name": "peer", "containerPort": t["peer"].get("port", 5557)})
+            if (stream := peer_data_port(t["peer"])) is not None:
+                ports.append({"name": "peer-data", "containerPort": stream})
+    return ports
+
+
 def _event_container_ports(spec: Manifest) -> list[Manifest]:
     ports = event_ports(spec)
     if ports is None:
@@ -336,11 +364,7 @@ def _agent_container(
         "args": ["agent", "--config", f"{CONFIG_DIR}/agent.yaml"],
         "ports": [
             {"name": "metrics", "containerPort": config.metrics.port},
-            *[
-                {"name": "peer", "containerPort": t["peer"].get("port", 5557)}
-                for t in spec.get("tiers", [])
-                if "peer" in t
-            ],
+            *_peer_container_ports(spec),
             *_event_container_ports(spec),
         ],
         "env": [

@@ -201,14 +201,19 @@ class _StatsCollector(Collector):
             return
         yield _labelled(
             "kvtier_peer_chunks",
-            "Chunks fetched from other agents, by data path (nixl, zmq).",
+            "Chunks fetched from other agents, by data path (nixl, tcp: the sealed stream, zmq).",
             "path",
-            {"nixl": peer.nixl_reads, "zmq": peer.zmq_reads},
+            {"nixl": peer.nixl_reads, "tcp": peer.stream_reads, "zmq": peer.zmq_reads},
         )
         yield CounterMetricFamily(
             "kvtier_peer_nixl_failures",
-            "NIXL connections or transfers that failed (the chunks came over ZMQ).",
+            "NIXL connections or transfers that failed (the chunks came another way).",
             value=peer.nixl_failures,
+        )
+        yield CounterMetricFamily(
+            "kvtier_peer_stream_failures",
+            "Sealed streams that broke or could not connect (the chunks came as ZMQ frames).",
+            value=peer.stream_failures,
         )
         yield CounterMetricFamily(
             "kvtier_peer_busy",

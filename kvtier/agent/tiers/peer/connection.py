@@ -13,10 +13,12 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import msgspec
 import zmq
 
+from kvtier.agent.tiers.peer.stream import StreamChannel
 from kvtier.agent.tiers.peer.wire import (
     RID,
     Answer,
@@ -44,6 +46,7 @@ class Connection:
         self.lock = threading.Lock()  # one request at a time
         self._rids = itertools.count(1)
         self._sock: zmq.Socket[bytes] | None = None
+        self._stream = StreamChannel(urlsplit(endpoint).hostname or "", timeout)
         self.used = time.monotonic()
 
     def next_rid(self) -> int:
@@ -126,11 +129,26 @@ class Connection:
             self.drop()
             return None
 
+    def receive_stream(
+        self,
+        port: int,
+        ticket: bytes,
+        secret: bytes,
+        outs: list[memoryview | None],
+        opened: Callable[[int, bool], None],
+    ) -> None:
+        """The chunks a `Stream` request was answered with, from the holder's stream port
+        (`StreamChannel.receive`); raises StreamFailed."""
+        with self.lock:
+            self.used = time.monotonic()
+            self._stream.receive(port, ticket, secret, outs, opened)
+
     def drop(self) -> None:
-        """Close the socket, so whatever arrives late is dropped with it."""
+        """Close the sockets, so whatever arrives late is dropped with them."""
         assert self._sock is not None
         self._sock.close(linger=0)
         self._sock = None
+        self._stream.close()
 
 
 def call_all(

@@ -1,7 +1,8 @@
 """Reading chunks from the agents that hold them: one request and one transfer per holder
 and batch, over NIXL where both sides have it (the requester READs the slots the holder lent
-it) and over ZMQ frames received straight into this agent's reserved slots otherwise; every
-chunk verified on arrival, and a holder that sent a damaged one told so.
+it), else over the sealed stream (AES-GCM over TCP, opened straight into this agent's
+reserved slots), else as ZMQ frames received into them; every chunk verified on arrival,
+and a holder that sent a damaged one told so.
 
 Threading: `read` runs the batches of one call on the reader's thread pool; the holder
 caches are plain dicts changed by single operations, which the GIL keeps whole.
@@ -19,6 +20,7 @@ from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.tiers.base import CorruptChunk, check_blob, check_payload
 from kvtier.agent.tiers.peer.connection import Connection, Connections
 from kvtier.agent.tiers.peer.server import PeerServer
+from kvtier.agent.tiers.peer.stream import StreamFailed, new_secret
 from kvtier.agent.tiers.peer.wire import (
     Answer,
     Damaged,
@@ -27,7 +29,9 @@ from kvtier.agent.tiers.peer.wire import (
     Lent,
     NixlHello,
     Return,
+    Stream,
     decode_loan,
+    decode_streamed,
 )
 from kvtier.api.stats import PeerCount
 
@@ -36,6 +40,7 @@ HOLDER_CACHE = 65536
 MAX_BATCH = 64  # chunks asked of one holder in one request
 ZMQ_BATCH = 8
 NIXL_RETRY_SECONDS = 60.0
+STREAM_RETRY_SECONDS = 60.0  # a holder without a working stream is asked for ZMQ frames
 Count = Callable[[PeerCount, int], None]
 
 
@@ -111,6 +116,7 @@ class Reader:
         self._count = count
         self._nixl_names: dict[str, str] = {}
         self._nixl_retry: dict[str, float] = {}  # endpoint -> when to try NIXL again
+        self._stream_retry: dict[str, float] = {}  # endpoint -> when to try its stream again
         self._fetchers = ThreadPoolExecutor(8, thread_name_prefix="kvtier-peer-fetch")
 
     def read(
@@ -126,8 +132,8 @@ class Reader:
             if holder is not None:
                 by_holder.setdefault(holder, []).append(read)
         for holder, mine in by_holder.items():
-            # One NIXL transfer moves a whole batch; over ZMQ, smaller batches on parallel
-            # connections overlap one's copy and checksum with the next one's bytes.
+            # One NIXL transfer moves a whole batch; over TCP, smaller batches on parallel
+            # connections overlap one's sealing and checksum with the next one's bytes.
             size = MAX_BATCH if self.nixl_agent(holder) else ZMQ_BATCH
             batches += [(holder, mine[i : i + size]) for i in range(0, len(mine), size)]
         if len(batches) == 1:
@@ -141,9 +147,10 @@ class Reader:
         return [read.error or read.header for read in reads]
 
     def _read_batch(self, namespace: str, holder: str, batch: list[Read]) -> None:
-        """NIXL first where both sides have it; ZMQ for what it did not settle. One
-        connection carries the batch's requests, its loan's return and the damage report, so
-        the holder sees them in that order (a chunk still lent cannot be dropped)."""
+        """NIXL first where both sides have it, then the sealed stream, then ZMQ frames for
+        what neither settled. One connection carries the batch's requests, its loan's return
+        and the damage report, so the holder sees them in that order (a chunk still lent
+        cannot be dropped)."""
         remote = self.nixl_agent(holder)
         connection = self._connections.to(holder)
         try:
@@ -153,6 +160,8 @@ class Reader:
                 except _NixlFailed:
                     self._count("nixl_failures", 1)
                     self.forget_nixl(holder)  # connect afresh next time
+            if self._streams_to(holder) and any(not r.resolved for r in batch):
+                self._read_stream(connection, namespace, [r for r in batch if not r.resolved])
             unsettled = [r for r in batch if not r.resolved]
             if unsettled:
                 self._read_zmq(connection, namespace, unsettled)
@@ -256,6 +265,56 @@ class Reader:
             read.verify(header)
             sent += read.header is not None
         self._count("zmq_reads", sent)
+
+    def _streams_to(self, holder: str) -> bool:
+        return self.server.stream is not None and (
+            time.monotonic() >= self._stream_retry.get(holder, 0.0)
+        )
+
+    def _read_stream(self, connection: Connection, namespace: str, batch: list[Read]) -> None:
+        """The batch over the holder's sealed stream. A holder that does not answer is a
+        miss for the batch (and, being perhaps of a release without the stream, is asked
+        for ZMQ frames for a while); one whose stream breaks leaves what did not arrive to
+        the ZMQ frames."""
+        holder = connection.endpoint
+        secret, ticket = new_secret()
+        reply = connection.call(Stream(namespace, [r.key for r in batch], secret, ticket))
+        streamed = decode_streamed(reply[0]) if reply else None
+        if streamed is None or not streamed.port:
+            self._stream_retry[holder] = time.monotonic() + STREAM_RETRY_SECONDS
+            if streamed is None:
+                self._resolve(namespace, batch, [Answer.ABSENT] * len(batch))
+            return
+        coming: list[tuple[Read, ChunkHeader | None]] = []
+        pages = iter(streamed.pages)
+        for read, status in zip(batch, streamed.statuses, strict=True):
+            if status != Answer.SENT:
+                self._resolve(namespace, [read], [status])
+                continue
+            try:
+                header = check_blob(next(pages), namespace, read.key, len(read.out))
+                coming.append((read, header))
+            except CorruptChunk as exc:  # its bytes still come, to be dropped
+                read.fail(exc)
+                coming.append((read, None))
+
+        def opened(index: int, authentic: bool) -> None:
+            read, header = coming[index]
+            if header is not None and authentic:
+                read.verify(header)
+            elif header is not None:
+                read.fail(CorruptChunk("chunk failed authentication on the sealed stream"))
+
+        if not coming:
+            return
+        outs = [read.out if header is not None else None for read, header in coming]
+        try:
+            connection.receive_stream(streamed.port, ticket, secret, outs, opened)
+        except StreamFailed as exc:
+            log.warning("sealed stream from %s failed, using ZMQ frames: %s", holder, exc)
+            self._count("stream_failures", 1)
+            self._stream_retry[holder] = time.monotonic() + STREAM_RETRY_SECONDS
+        self._count("stream_reads", sum(read.header is not None for read, _ in coming))
 
     def _resolve(self, namespace: str, reads: list[Read], statuses: list[str]) -> None:
         """Reads that found no chunk: a busy holder keeps its place, one that did not

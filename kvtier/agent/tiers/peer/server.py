@@ -1,6 +1,6 @@
 """The serving side of the peer tier: directory requests from other agents, and chunks
-lent from this agent's pool (NIXL loans, or ZMQ frames sent from the slot), at most
-`maxLentChunks` at once."""
+lent from this agent's pool (NIXL loans, the sealed stream, or ZMQ frames sent from the
+slot), at most `maxLentChunks` at once."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from kvtier.agent.report.registry import Registry
 from kvtier.agent.tiers.nixl_path import NixlPath, available
 from kvtier.agent.tiers.peer.directory import Directory
 from kvtier.agent.tiers.peer.membership import Membership
+from kvtier.agent.tiers.peer.stream import TICKET, StreamServer, listen_address
 from kvtier.agent.tiers.peer.wire import (
     Announce,
     Answer,
@@ -36,6 +37,8 @@ from kvtier.agent.tiers.peer.wire import (
     NixlHello,
     PeerRequest,
     Return,
+    Stream,
+    Streamed,
     TrustedKeys,
     WhoHas,
     Withdraw,
@@ -90,6 +93,12 @@ class PeerServer:
             self._sock.curve_publickey = self.keys.public
             self._sock.curve_secretkey = self.keys.secret
         self.endpoint = config.advertise or bind_on_pod_address(self._sock, config.bind)
+        self.stream: StreamServer | None = None
+        if config.data_path != "zmq":
+            self.stream = StreamServer(
+                *listen_address(config.bind, config.stream_port), config.idle_seconds
+            )
+        self._streams: dict[int, int] = {}  # lease -> slots, until the stream wrote them
         # Slots lent out: NIXL loans until returned (or expired), ZMQ sends until sent.
         self._loans: dict[int, tuple[float, int, Any]] = {}  # lease -> (deadline, slots, reg)
         self._sending: list[tuple[zmq.MessageTracker, int, int]] = []  # (tracker, lease, slots)
@@ -117,7 +126,8 @@ class PeerServer:
     def lent(self) -> int:
         """Slots lent to peers right now (also read by the metrics thread: copies only)."""
         loans = list(self._loans.values())
-        return sum(n for _, n, _ in loans) + sum(n for _, _, n in list(self._sending))
+        streams = sum(list(self._streams.values()))
+        return sum(n for _, n, _ in loans) + sum(n for _, _, n in list(self._sending)) + streams
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -126,7 +136,8 @@ class PeerServer:
             # While NIXL loans are out the backend is progressed without pause: over UCX's
             # TCP transport the holder's side serves the READs in software, and a pause
             # here is a stall of the transfer (over RDMA or shared memory it costs nothing).
-            wait = 1 if self._loans else 5 if self._sending or self.nixl else 200
+            busy = self._sending or self._streams or self.nixl
+            wait = 1 if self._loans else 5 if busy else 200
             ready = poller.poll(wait)
             self._settle()
             if self.nixl is not None:
@@ -192,7 +203,23 @@ class PeerServer:
             self.host.reverify(request.namespace, request.keys)
         elif isinstance(request, Lend):
             return encode(self._lend(request.namespace, request.keys))
+        elif isinstance(request, Stream):
+            return encode(self._stream(request))
         return None
+
+    def _stream(self, request: Stream) -> Streamed:
+        """Lease the chunks and keep them for the ticket's claim on the stream port."""
+        if self.stream is None or not len(request.secret) == len(request.ticket) == TICKET:
+            return Streamed(0, [], [])
+        lease, chunks = self._lease(request.namespace, request.keys)
+        sent = [c for c in chunks if not isinstance(c, str)]
+        if lease:
+            self._streams[lease] = len(sent)
+            deadline = time.monotonic() + 2 * self.config.timeout_seconds
+            payloads = [(self.host.pool.payload(slot, h.length).data, h.length) for slot, h in sent]
+            self.stream.expect(request.ticket, request.secret, lease, payloads, deadline)
+        statuses = [c if isinstance(c, str) else Answer.SENT for c in chunks]
+        return Streamed(self.stream.port, statuses, [header.page() for _, header in sent])
 
     def _lend(self, namespace: str, keys: list[bytes]) -> Loan:
         if self.nixl is None:
@@ -270,6 +297,10 @@ class PeerServer:
                 still.append((tracker, lease, slots))
         self._sending = still
         now = time.monotonic()
+        if self.stream is not None:
+            for lease in self.stream.finished(now):
+                self._streams.pop(lease, None)
+                self.host.end_load(lease, LENDER)
         for lease in [lease for lease, (deadline, _, _) in self._loans.items() if deadline < now]:
             self._end_loan(lease, self._loans.pop(lease)[2])
 
@@ -279,5 +310,7 @@ class PeerServer:
         self._sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
+        if self.stream is not None:
+            self.stream.close()
         if self.nixl is not None:
             self.nixl.close()

@@ -59,6 +59,20 @@ class Fetch(ChunkKeys, tag="fetch"):
     then a header frame and a payload frame per chunk sent."""
 
 
+class Stream(ChunkKeys, tag="stream"):
+    """Send these chunks over the sealed stream (`stream.py`): answered with a `Streamed`;
+    `secret` (the request's AES-128 key) and `ticket` travel only over CURVE."""
+
+    secret: bytes
+    ticket: bytes
+
+
+class Streamed(msgspec.Struct):
+    port: int  # the holder's stream port; 0: it has none (ask with `Fetch`)
+    statuses: list[str]  # an Answer per key
+    pages: list[bytes]  # the header page of each chunk sent, in order
+
+
 class Holds(ChunkKeys, tag="holds"):
     """Direct mode: which of these keys does your pool hold?"""
 
@@ -91,10 +105,13 @@ class Loan(msgspec.Struct):
     sections: bytes = b""  # NIXL metadata of the lent bytes, registered for this loan only
 
 
-PeerRequest = Announce | Withdraw | WhoHas | Fetch | Holds | NixlHello | Lend | Return | Damaged
+PeerRequest = (
+    Announce | Withdraw | WhoHas | Fetch | Stream | Holds | NixlHello | Lend | Return | Damaged
+)
 encode = msgspec.msgpack.Encoder().encode
 decode = msgspec.msgpack.Decoder(PeerRequest).decode
 decode_loan = msgspec.msgpack.Decoder(Loan).decode
+decode_streamed = msgspec.msgpack.Decoder(Streamed).decode
 decode_statuses = decode_holders = msgspec.msgpack.Decoder(list[str]).decode
 
 
