@@ -127,15 +127,16 @@ def raw_tcp_gbps(nbytes: int, chunk: int) -> float:
 def node(
     scratch: Path, name: str, row: int, slots: int, data_path: str, address: str
 ) -> AgentConfig:
-    """`data_path` "zmq-curve": the ZMQ path authenticated and encrypted with a CURVE key
-    pair, as every tier the operator makes runs it; "nixl" and "zmq" without keys."""
+    """`data_path` a `PATHS` name: "-curve" ones authenticated with the tier's CURVE key
+    pair, as every tier the operator makes runs; "nixl" and "zmq" without keys."""
     bind = f"tcp://{address}:{PEER_PORT}" if address != "127.0.0.1" else "tcp://127.0.0.1:*"
-    peer: dict[str, Any] = {"timeoutSeconds": 5, "dataPath": data_path, "bind": bind}
-    if data_path == "zmq-curve":
+    path, _, curve = data_path.partition("-")
+    peer: dict[str, Any] = {"timeoutSeconds": 5, "dataPath": path, "bind": bind}
+    if curve:
         keys = scratch / "curve"
         if not keys.exists():
             write_keys(keys)
-        peer.update(dataPath="zmq", curveKeyDir=str(keys))
+        peer["curveKeyDir"] = str(keys)
     return scratch_peer_config(
         scratch,
         name,
@@ -199,41 +200,39 @@ def measure(
     return kv, raw, latencies, counts
 
 
+# The data paths timed, by name: how chunk bytes cross, and which counter counts them.
+PATHS = {
+    "nixl": ("NIXL (UCX), bytes in the clear", "nixl_reads"),
+    "zmq": ("ZMQ frames, no keys", "zmq_reads"),
+    "zmq-curve": ("ZMQ frames, CURVE-encrypted", "zmq_reads"),
+    "tcp-curve": ("sealed stream: AES-GCM, key over CURVE", "stream_reads"),
+}
+
+
 def measure_place(
     scratch: Path, place: Place, row: int, chunks: int, rounds: int, lookups: int
 ) -> dict[str, Any]:
-    paths = ["nixl", "zmq", "zmq-curve"] if available() else ["zmq", "zmq-curve"]
-    per_round: dict[str, list[float]] = {}
-    ratios: dict[str, float] = {}
+    names = [name for name in PATHS if name != "nixl" or available()]
+    paths: dict[str, dict[str, Any]] = {}
     raw: list[float] = []
-    reads: dict[str, int] = {}
-    latencies: list[float] = []
-    for path in paths:
-        kv, tcp, lookup, counts = measure(scratch, place, path, row, chunks, rounds, lookups)
-        per_round[path] = kv
-        ratios[path] = statistics.median(k / t for k, t in zip(kv, tcp, strict=True))
+    for name in names:
+        kv, tcp, lookup, counts = measure(scratch, place, name, row, chunks, rounds, lookups)
+        moved = getattr(counts, PATHS[name][1])
+        if moved != chunks * (rounds + 1):
+            raise RuntimeError(f"{place.name}, {name}: {moved} of the chunks took it")
         raw += tcp
-        reads[path] = counts.nixl_reads if path.startswith("nixl") else counts.zmq_reads
-        if reads[path] != chunks * (rounds + 1):
-            raise RuntimeError(f"{place.name}, {path}: {reads[path]} of the chunks took it")
-        latencies += lookup
-    latencies.sort()
-    gbps = {path: statistics.median(kv) for path, kv in per_round.items()}
-    return {
-        "tcp_gbps": statistics.median(raw),
-        "zmq_gbps": gbps["zmq"],
-        "nixl_gbps": gbps.get("nixl"),
-        # medians of per-round ratios, each round against the TCP stream just before it
-        "zmq_ratio_vs_tcp": ratios["zmq"],
-        # the same, authenticated and encrypted (CURVE), as the operator deploys every tier
-        "zmq_curve_gbps": gbps["zmq-curve"],
-        "zmq_curve_ratio_vs_tcp": ratios["zmq-curve"],
-        "nixl_ratio_vs_tcp": ratios.get("nixl"),
-        "chunks_read": reads,
-        "rounds_gbps": {**per_round, "tcp": raw},
-        "lookup_p50_us_remote_1k": latencies[len(latencies) // 2],
-        "lookup_p99_us_remote_1k": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
-    }
+        lookup.sort()
+        paths[name] = {
+            "what": PATHS[name][0],
+            "gbps": statistics.median(kv),
+            # the median of per-round ratios, each round against the TCP stream just before
+            "ratio_vs_tcp": statistics.median(k / t for k, t in zip(kv, tcp, strict=True)),
+            "rounds_gbps": kv,
+            "chunks_read": moved,
+            "lookup_p50_us_remote_1k": lookup[len(lookup) // 2],
+            "lookup_p99_us_remote_1k": lookup[min(len(lookup) - 1, int(len(lookup) * 0.99))],
+        }
+    return {"tcp_gbps": statistics.median(raw), "tcp_rounds_gbps": raw, "paths": paths}
 
 
 @contextlib.contextmanager
@@ -269,7 +268,6 @@ def run(quick: bool) -> dict[str, Any]:
         "row_bytes": row,
         "chunks": chunks,
         "rounds": rounds,
-        **loopback,  # the loopback figures, at the top level as before
         "loopback": loopback,
         "namespaces": namespaces,
     }

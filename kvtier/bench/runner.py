@@ -154,30 +154,29 @@ def render_peers(result: dict[str, Any], console: Console) -> None:
     for col in ("agents", "path", "GB/s", "ratio vs TCP", "lookup 1k p99 µs"):
         table.add_column(col, justify="right")
     for where in ("loopback", "namespaces"):
-        r = result.get(where, result if where == "loopback" else {})
+        r = result.get(where, {})
         if "skipped" in r or not r:
             table.add_row(where, "-", "n/a", r.get("skipped", "not run"), "")
             continue
-        p99 = f"{r['lookup_p99_us_remote_1k']:.0f}"
         table.add_row(where, "raw TCP stream", f"{r['tcp_gbps']:.2f}", "1.00", "")
-        table.add_row(where, "ZMQ", f"{r['zmq_gbps']:.2f}", f"{r['zmq_ratio_vs_tcp']:.2f}", p99)
-        if "zmq_curve_gbps" in r:
-            gbps, ratio = r["zmq_curve_gbps"], r["zmq_curve_ratio_vs_tcp"]
-            table.add_row(where, "ZMQ, CURVE", f"{gbps:.2f}", f"{ratio:.2f}", p99)
-        if r["nixl_gbps"] is None:
-            table.add_row(where, "NIXL", "n/a", "NIXL not installed", "")
-        else:
+        for path in r["paths"].values():
             table.add_row(
-                where, "NIXL", f"{r['nixl_gbps']:.2f}", f"{r['nixl_ratio_vs_tcp']:.2f}", p99
+                where,
+                path["what"],
+                f"{path['gbps']:.2f}",
+                f"{path['ratio_vs_tcp']:.2f}",
+                f"{path['lookup_p99_us_remote_1k']:.0f}",
             )
+        if "nixl" not in r["paths"]:
+            table.add_row(where, "NIXL", "n/a", "NIXL not installed", "")
     console.print(table)
     console.print(
         f"{result['chunks']} chunks of {format_bytes(result['row_bytes'])} loaded on another "
         f"node, {result['rounds']} rounds per path; ratios are medians of per-round ratios "
         "against the TCP stream run just before each round; namespaces: each agent in a "
-        "network namespace of its own (veth, UCX on TCP); ZMQ, CURVE: the ZMQ path "
-        "authenticated and encrypted, as the operator deploys it; lookup: 1k absent keys "
-        "asking their homes (all paths' runs)"
+        "network namespace of its own (veth, UCX on TCP); CURVE: authenticated with the "
+        "tier's keys, as the operator deploys every tier; lookup: 1k absent keys asking "
+        "their homes"
     )
 
 

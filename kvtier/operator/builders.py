@@ -173,8 +173,8 @@ def _event_stream(spec: Manifest) -> Manifest:
     for i, t in enumerate(spec.get("tiers", [])):
         if "peer" in t:
             taken[f"spec.tiers[{i}].peer.port"] = t["peer"].get("port", 5557)
-            if (stream := peer_data_port(t["peer"])) is not None:
-                taken[f"spec.tiers[{i}].peer.dataPort"] = stream
+            if (data_port := peer_data_port(t["peer"])) is not None:
+                taken[f"spec.tiers[{i}].peer.dataPort"] = data_port
     for field, port in taken.items():
         if port in ports:
             raise ConfigError(
@@ -342,8 +342,8 @@ def _peer_container_ports(spec: Manifest) -> list[Manifest]:
     for t in spec.get("tiers", []):
         if "peer" in t:
             ports.append({"name": "peer", "containerPort": t["peer"].get("port", 5557)})
-            if (stream := peer_data_port(t["peer"])) is not None:
-                ports.append({"name": "peer-data", "containerPort": stream})
+            if (data_port := peer_data_port(t["peer"])) is not None:
+                ports.append({"name": "peer-data", "containerPort": data_port})
     return ports
 
 
