@@ -38,6 +38,7 @@ class PeerReport:
     corrupt_loads: int = 0  # loaded rows that differ from what was stored: must stay 0
     bytes_from_peer: int = 0
     nixl_reads: int = 0  # the peer tier's reads by data path
+    stream_reads: int = 0
     zmq_reads: int = 0
     seconds: float = 0.0
 
@@ -84,7 +85,9 @@ def run_second_node(conversations: int = 3, turns: int = 4) -> PeerReport:
             report.seconds = time.perf_counter() - started
             assert peer is not None, "the second node's first tier is its peer tier"
             report.nixl_reads, report.zmq_reads = peer.nixl_reads, peer.zmq_reads
-            report.bytes_from_peer = (report.nixl_reads + report.zmq_reads) * ROW_BYTES
+            report.stream_reads = peer.stream_reads
+            moved = report.nixl_reads + report.stream_reads + report.zmq_reads
+            report.bytes_from_peer = moved * ROW_BYTES
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return report
@@ -106,5 +109,6 @@ def render(report: PeerReport, console: Console) -> None:
     console.print(
         f"node B loaded {report.chunks_loaded} chunks it never computed, every one verified "
         f"({report.corrupt_loads} corrupt), in {report.seconds:.2f} s; chunks moved over "
-        f"NIXL: {report.nixl_reads}, over ZMQ: {report.zmq_reads}"
+        f"NIXL: {report.nixl_reads}, over the sealed stream: {report.stream_reads}, as ZMQ "
+        f"frames: {report.zmq_reads}"
     )
