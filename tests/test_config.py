@@ -121,7 +121,7 @@ def test_nixl_data_path_without_nixl_refused(
     scratch: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NIXL absent (as on an image built without it): asking for it is refused by name, and
-    `auto` still starts (over ZMQ)."""
+    `auto` still starts (over the sealed stream or ZMQ)."""
     monkeypatch.setattr(nixl_path, "_nixl", None)
     data = config_data(scratch)
     data["report"] = {"target": "file", "directory": str(scratch / "registry")}
@@ -132,7 +132,7 @@ def test_nixl_data_path_without_nixl_refused(
     data["tiers"][0]["peer"]["dataPath"] = "auto"
     check_runtime(parse_config(data))
     data["tiers"][0]["peer"]["dataPath"] = "rdma"
-    assert "tiers.0.peer.dataPath: Input should be 'auto', 'nixl' or 'zmq'" in refuse(data)
+    assert "tiers.0.peer.dataPath: Input should be 'auto', 'nixl', 'tcp' or 'zmq'" in refuse(data)
 
 
 def test_not_yaml_mapping(tmp_path: Path) -> None:

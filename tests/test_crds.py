@@ -135,7 +135,7 @@ def test_good_tier_is_admitted_with_defaults() -> None:
             "spec.tiers[0].peer",
             "dataPort must differ from port",
         ),
-        ({"tiers": [{"name": "p", "peer": {"dataPort": 5557}}]}, "spec.tiers[0].peer", "differ"),
+        ({"tiers": [{"name": "p", "peer": {"port": 5560}}]}, "spec.tiers[0].peer", "differ"),
         ({"isolation": "cluster"}, "spec.isolation", "is not one of"),
     ],
 )

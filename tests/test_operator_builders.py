@@ -356,11 +356,11 @@ def test_peer_transports_choose_the_agents_data_path(
     assert config.tiers[0].peer is not None
     assert config.tiers[0].peer.data_path == data_path
     assert config.tiers[0].peer.max_lent_chunks == 32
-    # the sealed stream listens on the peer port + 1, which the pod declares, unless only
-    # ZMQ frames are allowed
+    # the sealed stream listens on its own port, which the pod declares, unless only ZMQ
+    # frames are allowed
     ports = by_kind(build_children(resource, SETTINGS))["DaemonSet"]["spec"]["template"]["spec"]
     declared = {p["name"]: p["containerPort"] for p in ports["containers"][0]["ports"]}
-    stream = None if data_path == "zmq" else 5558
+    stream = None if data_path == "zmq" else 5560
     assert config.tiers[0].peer.stream_port == stream
     assert declared.get("peer-data") == stream
 

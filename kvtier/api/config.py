@@ -177,7 +177,7 @@ class PeerTierConfig(_Model):
         ge=0,
         le=65535,
         description="TCP port of the sealed stream (on the peer endpoint's address); "
-        "default: the peer port + 1, any free port when `bind` picks its own.",
+        "default: any free port (the operator sets its dataPort, 5560 unless set).",
     )
     max_lent_chunks: int = Field(
         default=256,

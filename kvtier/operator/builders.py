@@ -104,11 +104,11 @@ def data_path(transports: list[str]) -> str:
 
 
 def peer_data_port(peer: Manifest) -> int | None:
-    """The sealed stream's port (`dataPort`, else the peer port + 1); None when the
-    tier's transports never use it."""
+    """The sealed stream's port (`dataPort`, 5560 unless set: the event stream's
+    documented ports are 5558 and 5559); None when the tier's transports never use it."""
     if data_path(peer.get("transports", DEFAULT_TRANSPORTS)) == "zmq":
         return None
-    return int(peer.get("dataPort", peer.get("port", 5557) + 1))
+    return int(peer.get("dataPort", 5560))
 
 
 def _filesystem_tier(entry: Manifest) -> Manifest:

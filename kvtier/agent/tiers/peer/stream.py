@@ -283,13 +283,10 @@ class StreamChannel:
 
 def listen_address(bind: str, stream_port: int | None) -> tuple[str, int]:
     """Where the stream listens: the peer endpoint's host (the pod's address where POD_IP
-    names it) and `stream_port`, else the peer port + 1, else any free port when the peer
-    endpoint's port is chosen at bind (`*`)."""
+    names it) and `stream_port`, else any free port (the holder names it in each answer)."""
     rest = bind.removeprefix("tcp://")
-    host, _, port = rest.rpartition(":")
+    host, _, _port = rest.rpartition(":")
     host = host.strip("[]")
     if host in ("0.0.0.0", "*", ""):
         host = os.environ.get("POD_IP", "") or "0.0.0.0"
-    if stream_port is not None:
-        return host, stream_port
-    return host, int(port) + 1 if port.isdigit() else 0
+    return host, stream_port or 0
