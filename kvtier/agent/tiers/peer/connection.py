@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 import msgspec
@@ -129,19 +129,12 @@ class Connection:
             self.drop()
             return None
 
-    def receive_stream(
-        self,
-        port: int,
-        ticket: bytes,
-        secret: bytes,
-        outs: list[memoryview | None],
-        opened: Callable[[int, bool], None],
-    ) -> None:
-        """The chunks a `Stream` request was answered with, from the holder's stream port
-        (`StreamChannel.receive`); raises StreamFailed."""
+    @contextlib.contextmanager
+    def stream(self) -> Iterator[StreamChannel]:
+        """This connection's sealed stream to the peer, held under its lock while used."""
         with self.lock:
             self.used = time.monotonic()
-            self._stream.receive(port, ticket, secret, outs, opened)
+            yield self._stream
 
     def drop(self) -> None:
         """Close the sockets, so whatever arrives late is dropped with them."""

@@ -309,7 +309,8 @@ class Reader:
             return
         outs = [read.out if header is not None else None for read, header in coming]
         try:
-            connection.receive_stream(streamed.port, ticket, secret, outs, opened)
+            with connection.stream() as channel:
+                channel.receive(streamed.port, ticket, secret, outs, opened)
         except StreamFailed as exc:
             log.warning("sealed stream from %s failed, using ZMQ frames: %s", holder, exc)
             self._count("stream_failures", 1)

@@ -24,7 +24,7 @@ from kvtier.agent.report.registry import Registry
 from kvtier.agent.tiers.nixl_path import NixlPath, available
 from kvtier.agent.tiers.peer.directory import Directory
 from kvtier.agent.tiers.peer.membership import Membership
-from kvtier.agent.tiers.peer.stream import TICKET, StreamServer, listen_address
+from kvtier.agent.tiers.peer.stream import TICKET, StreamServer
 from kvtier.agent.tiers.peer.wire import (
     Announce,
     Answer,
@@ -95,10 +95,10 @@ class PeerServer:
         self.endpoint = config.advertise or bind_on_pod_address(self._sock, config.bind)
         self.stream: StreamServer | None = None
         if config.data_path != "zmq":
-            self.stream = StreamServer(
-                *listen_address(config.bind, config.stream_port), config.idle_seconds
-            )
-        self._streams: dict[int, int] = {}  # lease -> slots, until the stream wrote them
+            # on the address the peer socket bound (the pod's, where POD_IP names it)
+            bound = urlsplit(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            host = bound.hostname if bound.hostname not in (None, "*") else "0.0.0.0"
+            self.stream = StreamServer(host, config.stream_port or 0, config.idle_seconds)
         # Slots lent out: NIXL loans until returned (or expired), ZMQ sends until sent.
         self._loans: dict[int, tuple[float, int, Any]] = {}  # lease -> (deadline, slots, reg)
         self._sending: list[tuple[zmq.MessageTracker, int, int]] = []  # (tracker, lease, slots)
@@ -126,7 +126,7 @@ class PeerServer:
     def lent(self) -> int:
         """Slots lent to peers right now (also read by the metrics thread: copies only)."""
         loans = list(self._loans.values())
-        streams = sum(list(self._streams.values()))
+        streams = self.stream.lent() if self.stream is not None else 0
         return sum(n for _, n, _ in loans) + sum(n for _, _, n in list(self._sending)) + streams
 
     def _loop(self) -> None:
@@ -136,7 +136,7 @@ class PeerServer:
             # While NIXL loans are out the backend is progressed without pause: over UCX's
             # TCP transport the holder's side serves the READs in software, and a pause
             # here is a stall of the transfer (over RDMA or shared memory it costs nothing).
-            busy = self._sending or self._streams or self.nixl
+            busy = self._sending or self.nixl or (self.stream and self.stream.lent())
             wait = 1 if self._loans else 5 if busy else 200
             ready = poller.poll(wait)
             self._settle()
@@ -214,7 +214,6 @@ class PeerServer:
         lease, chunks = self._lease(request.namespace, request.keys)
         sent = [c for c in chunks if not isinstance(c, str)]
         if lease:
-            self._streams[lease] = len(sent)
             deadline = time.monotonic() + 2 * self.config.timeout_seconds
             payloads = [(self.host.pool.payload(slot, h.length).data, h.length) for slot, h in sent]
             self.stream.expect(request.ticket, request.secret, lease, payloads, deadline)
@@ -299,7 +298,6 @@ class PeerServer:
         now = time.monotonic()
         if self.stream is not None:
             for lease in self.stream.finished(now):
-                self._streams.pop(lease, None)
                 self.host.end_load(lease, LENDER)
         for lease in [lease for lease, (deadline, _, _) in self._loans.items() if deadline < now]:
             self._end_loan(lease, self._loans.pop(lease)[2])

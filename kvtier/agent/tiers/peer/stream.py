@@ -5,13 +5,13 @@ the wire can read them. It runs at about the connection's speed: CURVE's own enc
 (ZMQ frames) reached 0.2-0.5x a raw TCP stream here, AES-GCM with AES-NI runs ~17 GB/s a core.
 
 One request: over CURVE the asker sends `Stream(namespace, keys, secret, ticket)`; the
-holder leases the chunks, answers `Streamed(port, chunks)` (each chunk's header page, or an
-`Answer`) and keeps the lease under the ticket. The asker writes the ticket on its stream
-connection to that port, and the holder writes the chunks sent in order, each as its length
-(8 bytes) and `ciphertext || tag`, with nonce = the chunk's index and associated data =
-ticket || index, then lets the lease go. A ticket is claimed once; one never claimed
-expires with its lease. An unknown ticket gets a count of `UNKNOWN` and the connection
-closed.
+holder leases the chunks, answers `Streamed(port, statuses, pages)` (an `Answer` per key,
+the header page of each chunk sent) and keeps the lease under the ticket. The asker writes
+the ticket on its stream connection to that port, and the holder writes the chunks sent in
+order, each as its length (8 bytes) and `ciphertext || tag`, with nonce = the chunk's index
+and associated data = ticket || index, then lets the lease go. A ticket is claimed once; one
+never claimed expires with its lease. An unknown ticket gets a count of `UNKNOWN` and the
+connection closed.
 """
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
 
 class StreamServer:
     """The holder's end: a TCP listener whose connections claim tickets and get their
-    chunks sealed, one thread a connection (at most `MAX_CONNECTIONS`). Leases whose bytes
-    were written, and those whose tickets expired, are handed back through `finished()`
-    to the thread that owns the leases."""
+    chunks sealed, one thread a connection (at most `MAX_CONNECTIONS`). It counts the slots
+    of its leases until they are handed back through `finished()` (bytes written, or the
+    ticket expired) to the thread that owns the leases."""
 
     def __init__(self, host: str, port: int, idle_seconds: float) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -84,6 +84,7 @@ class StreamServer:
         self.port: int = self._listener.getsockname()[1]
         self._idle = idle_seconds
         self._pending: dict[bytes, _Pending] = {}
+        self._leases: dict[int, int] = {}  # lease -> slots, until handed back
         self._done: deque[int] = deque()
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -102,19 +103,21 @@ class StreamServer:
     ) -> None:
         with self._lock:
             self._pending[ticket] = _Pending(deadline, lease, secret, chunks)
+            self._leases[lease] = len(chunks)
 
-    def waiting(self) -> int:
-        """Slots leased for tickets not written yet."""
-        with self._lock:
-            return sum(len(p.chunks) for p in self._pending.values())
+    def lent(self) -> int:
+        """Slots leased for tickets and not handed back yet (read by other threads)."""
+        return sum(list(self._leases.values()))
 
     def finished(self, now: float) -> list[int]:
         """Leases to end: bytes written, or the ticket expired unclaimed."""
         with self._lock:
             late = [t for t, p in self._pending.items() if p.deadline < now]
             leases = [self._pending.pop(t).lease for t in late]
-        while self._done:
-            leases.append(self._done.popleft())
+            while self._done:
+                leases.append(self._done.popleft())
+            for lease in leases:
+                self._leases.pop(lease, None)
         return leases
 
     def _accept(self) -> None:
@@ -214,25 +217,23 @@ class StreamChannel:
             self._sock, self._port = sock, port
         return self._sock
 
-    def _claim(self, port: int, ticket: bytes) -> int:
-        """Write the ticket and read how many chunks follow. A kept connection the holder
-        has since dropped (it restarted, or closed it idle) fails before the count arrives:
-        the ticket is then written once more on a fresh one."""
+    def _claim(self, port: int, ticket: bytes) -> tuple[socket.socket, int]:
+        """Write the ticket; the connection and how many chunks follow. A kept connection
+        the holder has since dropped (it restarted, or closed it idle) fails before the
+        count arrives: the ticket is then written once more on a fresh one."""
         head = bytearray(COUNT.size)
         kept = self._sock is not None and self._port == port
-        try:
-            sock = self._socket(port)
-            sock.sendall(ticket)
-            _recv_exactly(sock, memoryview(head))
-        except (OSError, ConnectionError):
-            if not kept:
-                raise
-            self.close()
-            sock = self._socket(port)
-            sock.sendall(ticket)
-            _recv_exactly(sock, memoryview(head))
-        (count,) = COUNT.unpack(head)
-        return int(count)
+        while True:
+            try:
+                sock = self._socket(port)
+                sock.sendall(ticket)
+                _recv_exactly(sock, memoryview(head))
+                return sock, int(COUNT.unpack(head)[0])
+            except (OSError, ConnectionError):
+                if not kept:
+                    raise
+                kept = False
+                self.close()
 
     def receive(
         self,
@@ -245,10 +246,9 @@ class StreamChannel:
         """Claim `ticket` and open each chunk into its `out` (None: received and dropped, its
         header having failed); `opened(i, authentic)` after each. Raises StreamFailed."""
         try:
-            count = self._claim(port, ticket)
+            sock, count = self._claim(port, ticket)
             if count != len(outs):
                 raise StreamFailed(f"holder streams {count} chunks, {len(outs)} expected")
-            sock = self._socket(port)
             head = bytearray(LENGTH.size)
             aead = AESGCM(secret)
             for index, out in enumerate(outs):
@@ -279,14 +279,3 @@ class StreamChannel:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-
-
-def listen_address(bind: str, stream_port: int | None) -> tuple[str, int]:
-    """Where the stream listens: the peer endpoint's host (the pod's address where POD_IP
-    names it) and `stream_port`, else any free port (the holder names it in each answer)."""
-    rest = bind.removeprefix("tcp://")
-    host, _, _port = rest.rpartition(":")
-    host = host.strip("[]")
-    if host in ("0.0.0.0", "*", ""):
-        host = os.environ.get("POD_IP", "") or "0.0.0.0"
-    return host, stream_port or 0
