@@ -97,8 +97,8 @@ class PeerServer:
         if config.data_path != "zmq":
             # on the address the peer socket bound (the pod's, where POD_IP names it)
             bound = urlsplit(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
-            host = bound.hostname if bound.hostname not in (None, "*") else "0.0.0.0"
-            self.stream = StreamServer(host, config.stream_port or 0, config.idle_seconds)
+            listen = bound.hostname if bound.hostname not in (None, "*") else "0.0.0.0"
+            self.stream = StreamServer(listen, config.stream_port or 0, config.idle_seconds)
         # Slots lent out: NIXL loans until returned (or expired), ZMQ sends until sent.
         self._loans: dict[int, tuple[float, int, Any]] = {}  # lease -> (deadline, slots, reg)
         self._sending: list[tuple[zmq.MessageTracker, int, int]] = []  # (tracker, lease, slots)
