@@ -217,3 +217,22 @@ def test_agents_load_over_the_sealed_stream_and_fall_back_without_it(
         counts = peer_stats(asker).peer
         assert counts is not None
         assert counts.zmq_reads == 3 and counts.stream_failures == 0
+
+
+def test_the_stream_port_is_bound_again_by_the_next_start() -> None:
+    """The operator pins the port (`dataPort`): an agent restarted in its pod binds it again
+    at once, three times over, though each time the holder closed first while the asker's
+    connection was open (the holder's side left in TIME_WAIT), and serves on it."""
+    port = free_port()
+    verdicts: list[bool] = []
+    for _ in range(3):
+        server = StreamServer("127.0.0.1", port, idle_seconds=5)
+        channel = StreamChannel("127.0.0.1", timeout=5)
+        chunk = os.urandom(CHUNK)
+        secret, ticket = offer(server, [chunk])
+        out = np.zeros(CHUNK, np.uint8)
+        verdicts.clear()
+        channel.receive(port, ticket, secret, [memoryview(out)], lambda _, ok: verdicts.append(ok))
+        server.close()  # the holder goes first, as a restarted agent does
+        channel.close()
+        assert verdicts == [True] and bytes(out) == chunk
