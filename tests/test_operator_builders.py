@@ -356,13 +356,29 @@ def test_peer_transports_choose_the_agents_data_path(
     assert config.tiers[0].peer is not None
     assert config.tiers[0].peer.data_path == data_path
     assert config.tiers[0].peer.max_lent_chunks == 32
-    # the sealed stream listens on its own port, which the pod declares, unless only ZMQ
-    # frames are allowed
+    # the stream listens on its own port, which the pod declares, unless only ZMQ frames
+    # are allowed
     ports = by_kind(build_children(resource, SETTINGS))["DaemonSet"]["spec"]["template"]["spec"]
     declared = {p["name"]: p["containerPort"] for p in ports["containers"][0]["ports"]}
     stream = None if data_path == "zmq" else 5560
     assert config.tiers[0].peer.stream_port == stream
     assert declared.get("peer-data") == stream
+
+
+@pytest.mark.parametrize("encrypt", [None, False, True])
+def test_encrypt_bytes_reaches_the_agents(encrypt: bool | None) -> None:
+    """`peer.encryptBytes` turns the stream's encryption on in every agent's config; unset
+    or false, chunks travel in the clear, each authenticated."""
+    resource = tier()
+    peer: dict[str, Any] = {} if encrypt is None else {"encryptBytes": encrypt}
+    resource["spec"]["tiers"] = [{"name": "peers", "peer": peer}]
+    config = parse_config(
+        yaml.safe_load(
+            by_kind(build_children(resource, SETTINGS))["ConfigMap"]["data"]["agent.yaml"]
+        )
+    )
+    assert config.tiers[0].peer is not None
+    assert config.tiers[0].peer.encrypt_bytes is bool(encrypt)
 
 
 def test_observed_generation_is_the_generation_last_reconciled() -> None:

@@ -1,6 +1,7 @@
-"""The sealed stream between agents (`kvtier/agent/tiers/peer/stream.py`) over real TCP
-sockets: what a process on the network between two agents sees and can change, what a
-stranger dialling the stream port gets, and the fallbacks when a holder has no stream."""
+"""The stream between agents (`kvtier/agent/tiers/peer/stream.py`) over real TCP sockets,
+signed (bytes in the clear, a tag per chunk) and sealed (encrypted too): what a process on
+the network between two agents sees and can change, what a stranger dialling the stream port
+gets, and the fallbacks when a holder has no stream."""
 
 from __future__ import annotations
 
@@ -70,15 +71,17 @@ def holder() -> Iterator[StreamServer]:
     server.close()
 
 
-def offer(server: StreamServer, chunks: list[bytes]) -> tuple[bytes, bytes]:
+def offer(server: StreamServer, chunks: list[bytes], sealed: bool = False) -> tuple[bytes, bytes]:
     """Chunks kept for a fresh ticket, as the holder does when answering `Stream`."""
     secret, ticket = new_secret()
     payloads = [(memoryview(c), len(c)) for c in chunks]
-    server.expect(ticket, secret, 7, payloads, deadline=float("inf"))
+    server.expect(ticket, secret, 7, payloads, float("inf"), sealed)
     return secret, ticket
 
 
-def fetch(port: int, ticket: bytes, secret: bytes, n: int) -> tuple[list[np.ndarray], list[bool]]:
+def fetch(
+    port: int, ticket: bytes, secret: bytes, n: int, sealed: bool = False
+) -> tuple[list[np.ndarray], list[bool]]:
     outs = [np.zeros(CHUNK, np.uint8) for _ in range(n)]
     verdicts: list[bool] = [False] * n
 
@@ -87,40 +90,46 @@ def fetch(port: int, ticket: bytes, secret: bytes, n: int) -> tuple[list[np.ndar
 
     channel = StreamChannel("127.0.0.1", timeout=5)
     try:
-        channel.receive(port, ticket, secret, [memoryview(o) for o in outs], opened)
+        channel.receive(port, ticket, secret, sealed, [memoryview(o) for o in outs], opened)
     finally:
         channel.close()
     return outs, verdicts
 
 
-def test_the_wire_carries_neither_readable_nor_alterable_bytes(holder: StreamServer) -> None:
-    """Through a relay that keeps everything: no 64-byte run of any chunk appears in what
-    crossed the wire, and a byte the relay flips in the second chunk makes that chunk fail
-    its tag (a miss, never its bytes) while the first and third open intact."""
+@pytest.mark.parametrize("sealed", [False, True], ids=["signed", "sealed"])
+def test_a_byte_changed_on_the_wire_is_a_miss(holder: StreamServer, sealed: bool) -> None:
+    """Through a relay that keeps everything: a byte it flips in the second chunk makes that
+    chunk fail its tag (a miss, never its bytes) while the first and third arrive intact.
+    Sealed, no 64-byte run of any chunk appears in what crossed the wire; signed, the bytes
+    cross in the clear (what `encryptBytes` is for)."""
     chunks = [os.urandom(CHUNK) for _ in range(3)]
-    secret, ticket = offer(holder, chunks)
+    secret, ticket = offer(holder, chunks, sealed)
     # 4 bytes of count, then 8 of length and CHUNK + 16 per chunk: inside the second one
     relay = Tamperer(holder.port, flip_at=4 + (8 + CHUNK + 16) + 8 + 1000)
-    outs, verdicts = fetch(relay.port, ticket, secret, 3)
+    outs, verdicts = fetch(relay.port, ticket, secret, 3, sealed)
     assert verdicts == [True, False, True]
     assert bytes(outs[0]) == chunks[0] and bytes(outs[2]) == chunks[2]
     wire = bytes(relay.seen)
-    assert len(wire) >= 3 * CHUNK
+    assert len(wire) == 4 + 3 * (8 + CHUNK + 16)
     for chunk in chunks:
-        assert all(chunk[i : i + 64] not in wire for i in range(0, CHUNK, CHUNK // 8))
+        runs = [chunk[i : i + 64] in wire for i in range(0, CHUNK, CHUNK // 8)]
+        assert not any(runs) if sealed else all(runs)
     # the lease goes back once the bytes are written (the holder's thread may still be
     # finishing when the last byte has arrived)
     assert wait_for(lambda: holder.finished(0.0) == [7], timeout=5)
     assert holder.lent() == 0
 
 
-def test_a_recorded_stream_does_not_open_for_another_request(holder: StreamServer) -> None:
+@pytest.mark.parametrize("sealed", [False, True], ids=["signed", "sealed"])
+def test_a_recorded_stream_does_not_open_for_another_request(
+    holder: StreamServer, sealed: bool
+) -> None:
     """Bytes recorded from one request and played back as the answer to another (a fresh
     key and ticket) fail authentication: a node on the path cannot serve stale KV."""
     chunk = os.urandom(CHUNK)
-    secret, ticket = offer(holder, [chunk])
+    secret, ticket = offer(holder, [chunk], sealed)
     relay = Tamperer(holder.port)
-    assert fetch(relay.port, ticket, secret, 1)[1] == [True]
+    assert fetch(relay.port, ticket, secret, 1, sealed)[1] == [True]
     recorded = bytes(relay.seen)
     fake = socket.create_server(("127.0.0.1", 0))
 
@@ -132,7 +141,7 @@ def test_a_recorded_stream_does_not_open_for_another_request(holder: StreamServe
 
     threading.Thread(target=replay, daemon=True).start()
     secret2, ticket2 = new_secret()
-    _, verdicts = fetch(fake.getsockname()[1], ticket2, secret2, 1)
+    _, verdicts = fetch(fake.getsockname()[1], ticket2, secret2, 1, sealed)
     assert verdicts == [False]
 
 
@@ -163,7 +172,7 @@ def test_a_stranger_on_the_stream_port_gets_nothing(holder: StreamServer) -> Non
 
 def test_an_unclaimed_ticket_expires_with_its_lease(holder: StreamServer) -> None:
     secret, ticket = new_secret()
-    holder.expect(ticket, secret, 9, [(memoryview(b"x" * 10), 10)], deadline=5.0)
+    holder.expect(ticket, secret, 9, [(memoryview(b"x" * 10), 10)], 5.0, False)
     assert holder.lent() == 1
     assert holder.finished(4.0) == []
     assert holder.lent() == 1
@@ -171,13 +180,18 @@ def test_an_unclaimed_ticket_expires_with_its_lease(holder: StreamServer) -> Non
     assert holder.lent() == 0
 
 
-def test_agents_load_over_the_sealed_stream_and_fall_back_without_it(
-    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+@pytest.mark.parametrize("sealed", [False, True], ids=["signed", "sealed"])
+def test_agents_load_over_the_stream_and_fall_back_without_it(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: StartAgent,
+    scratch: Path,
+    sealed: bool,
 ) -> None:
     """Two agents with the tier's CURVE keys (as the operator deploys them) and `dataPath:
-    tcp`: chunks arrive over the sealed stream. A stranger filling the holder's stream port
-    with junk changes nothing. A holder without a stream (`dataPath: zmq`) answers with no
-    port, and its chunks come as ZMQ frames, no stream failure counted."""
+    tcp`, the asker with `encryptBytes` or without: chunks arrive over the stream, exact. A
+    stranger filling the holder's stream port with junk changes nothing. A holder without a
+    stream (`dataPath: zmq`) answers with no port, and its chunks come as ZMQ frames, no
+    stream failure counted."""
     keys = scratch / "keys"
     write_keys(keys)
     port = free_port()
@@ -193,7 +207,13 @@ def test_agents_load_over_the_sealed_stream_and_fall_back_without_it(
         )
     )
     asker_config = node_config(
-        make_config, scratch, "asker", keys, timeoutSeconds=1.2, dataPath="tcp"
+        make_config,
+        scratch,
+        "asker",
+        keys,
+        timeoutSeconds=1.2,
+        dataPath="tcp",
+        encryptBytes=sealed,
     )
     agent_factory(asker_config)
     with AgentClient(holder.config.endpoint) as producer:
@@ -232,7 +252,9 @@ def test_the_stream_port_is_bound_again_by_the_next_start() -> None:
         secret, ticket = offer(server, [chunk])
         out = np.zeros(CHUNK, np.uint8)
         verdicts.clear()
-        channel.receive(port, ticket, secret, [memoryview(out)], lambda _, ok: verdicts.append(ok))
+        channel.receive(
+            port, ticket, secret, False, [memoryview(out)], lambda _, ok: verdicts.append(ok)
+        )
         server.close()  # the holder goes first, as a restarted agent does
         channel.close()
         assert verdicts == [True] and bytes(out) == chunk

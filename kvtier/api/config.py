@@ -168,16 +168,23 @@ class PeerTierConfig(_Model):
     data_path: Literal["auto", "nixl", "tcp", "zmq"] = Field(
         default="auto",
         description="How chunk bytes move between agents: NIXL (UCX) reads straight between "
-        "the pools; tcp: a sealed stream (AES-GCM under a key sent over CURVE); zmq: ZMQ "
-        "frames. auto: NIXL where installed on both sides, else the sealed stream; nixl: "
-        "the same, refusing to start without NIXL. Each falls back to ZMQ frames.",
+        "the pools; tcp: a TCP stream, each chunk authenticated (GMAC under a key sent over "
+        "CURVE for the request); zmq: ZMQ frames. auto: NIXL where installed on both sides, "
+        "else the stream; nixl: the same, refusing to start without NIXL. Each falls back "
+        "to ZMQ frames.",
     )
     stream_port: int | None = Field(
         default=None,
         ge=0,
         le=65535,
-        description="TCP port of the sealed stream (on the peer endpoint's address); "
-        "default: any free port (the operator sets its dataPort, 5560 unless set).",
+        description="TCP port of the stream (on the peer endpoint's address); default: any "
+        "free port (the operator sets its dataPort, 5560 unless set).",
+    )
+    encrypt_bytes: bool = Field(
+        default=False,
+        description="Chunks this agent reads over the stream are encrypted as well "
+        "(AES-GCM), for networks not trusted with the bytes; off, they travel in the clear, "
+        "each authenticated. NIXL's bytes are in the clear either way.",
     )
     max_lent_chunks: int = Field(
         default=256,

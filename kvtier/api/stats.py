@@ -73,9 +73,9 @@ class PeerCounts(msgspec.Struct, kw_only=True):
 
     nixl_reads: int = 0  # chunks read from other agents over NIXL
     zmq_reads: int = 0  # ... as ZMQ frames
-    stream_reads: int = 0  # ... over the sealed stream (AES-GCM over TCP)
+    stream_reads: int = 0  # ... over the stream (TCP, each chunk's tag checked)
     nixl_failures: int = 0  # NIXL connections or transfers that failed (another path took over)
-    stream_failures: int = 0  # sealed streams that broke or could not connect (ZMQ took over)
+    stream_failures: int = 0  # streams that broke or could not connect (ZMQ took over)
     busy: int = 0  # chunks holders refused to lend, being busy
     batch_errors: int = 0  # batched reads from a holder that failed
     reannounced: int = 0  # keys re-announced to their homes

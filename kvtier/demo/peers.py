@@ -109,6 +109,6 @@ def render(report: PeerReport, console: Console) -> None:
     console.print(
         f"node B loaded {report.chunks_loaded} chunks it never computed, every one verified "
         f"({report.corrupt_loads} corrupt), in {report.seconds:.2f} s; chunks moved over "
-        f"NIXL: {report.nixl_reads}, over the sealed stream: {report.stream_reads}, as ZMQ "
+        f"NIXL: {report.nixl_reads}, over the stream: {report.stream_reads}, as ZMQ "
         f"frames: {report.zmq_reads}"
     )

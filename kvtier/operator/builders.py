@@ -93,8 +93,8 @@ def nfs_volume_name(tier: Manifest, entry: str) -> str:
 
 def data_path(transports: list[str]) -> str:
     """The agent's `dataPath` for the tier's allowed peer transports. A list stored before
-    `tcp` existed ([nixl, zmq], then the default) gets the sealed stream too: it is the
-    same agents' TCP connections, encrypted at less cost."""
+    `tcp` existed ([nixl, zmq], then the default) gets the stream too: it is the
+    same agents' TCP connections, authenticated at less cost."""
     allowed = set(transports)
     if allowed == {"nixl"}:
         return "nixl"
@@ -104,7 +104,7 @@ def data_path(transports: list[str]) -> str:
 
 
 def peer_data_port(peer: Manifest) -> int | None:
-    """The sealed stream's port (`dataPort`, 5560 unless set: the event stream's
+    """The stream's port (`dataPort`, 5560 unless set: the event stream's
     documented ports are 5558 and 5559); None when the tier's transports never use it."""
     if data_path(peer.get("transports", DEFAULT_TRANSPORTS)) == "zmq":
         return None
@@ -129,6 +129,7 @@ def _peer_tier(entry: Manifest) -> Manifest:
         "bind": f"tcp://0.0.0.0:{peer.get('port', 5557)}",
         "dataPath": data_path(peer.get("transports", DEFAULT_TRANSPORTS)),
         **({"streamPort": stream} if stream is not None else {}),
+        **({"encryptBytes": True} if peer.get("encryptBytes") else {}),
         "maxLentChunks": peer.get("maxLentChunks", 256),
         # always authenticated: the named Secret, or the one made for it
         "curveKeyDir": f"{CURVE_MOUNT}/{entry['name']}",

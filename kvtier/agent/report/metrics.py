@@ -201,7 +201,7 @@ class _StatsCollector(Collector):
             return
         yield _labelled(
             "kvtier_peer_chunks",
-            "Chunks fetched from other agents, by data path (nixl, tcp: the sealed stream, zmq).",
+            "Chunks fetched from other agents, by data path (nixl, tcp: the stream, zmq).",
             "path",
             {"nixl": peer.nixl_reads, "tcp": peer.stream_reads, "zmq": peer.zmq_reads},
         )

@@ -131,7 +131,7 @@ class Connection:
 
     @contextlib.contextmanager
     def stream(self) -> Iterator[StreamChannel]:
-        """This connection's sealed stream to the peer, held under its lock while used."""
+        """This connection's stream to the peer, held under its lock while used."""
         with self.lock:
             self.used = time.monotonic()
             yield self._stream

@@ -1,5 +1,5 @@
 """The serving side of the peer tier: directory requests from other agents, and chunks
-lent from this agent's pool (NIXL loans, the sealed stream, or ZMQ frames sent from the
+lent from this agent's pool (NIXL loans, the stream, or ZMQ frames sent from the
 slot), at most `maxLentChunks` at once."""
 
 from __future__ import annotations
@@ -216,7 +216,9 @@ class PeerServer:
         if lease:
             deadline = time.monotonic() + 2 * self.config.timeout_seconds
             payloads = [(self.host.pool.payload(slot, h.length).data, h.length) for slot, h in sent]
-            self.stream.expect(request.ticket, request.secret, lease, payloads, deadline)
+            self.stream.expect(
+                request.ticket, request.secret, lease, payloads, deadline, request.sealed
+            )
         statuses = [c if isinstance(c, str) else Answer.SENT for c in chunks]
         return Streamed(self.stream.port, statuses, [header.page() for _, header in sent])
 

@@ -60,11 +60,13 @@ class Fetch(ChunkKeys, tag="fetch"):
 
 
 class Stream(ChunkKeys, tag="stream"):
-    """Send these chunks over the sealed stream (`stream.py`): answered with a `Streamed`;
-    `secret` (the request's AES-128 key) and `ticket` travel only over CURVE."""
+    """Send these chunks over the stream (`stream.py`): answered with a `Streamed`;
+    `secret` (the request's AES-128 key) and `ticket` travel only over CURVE. `sealed`:
+    encrypted as well as authenticated."""
 
     secret: bytes
     ticket: bytes
+    sealed: bool = False
 
 
 class Streamed(msgspec.Struct):
