@@ -229,6 +229,19 @@ class HostIndex:
         slots = self._slots(namespace, keys).tolist()
         return [Entry(self, slot) if slot >= 0 else None for slot in slots]
 
+    def sealed(self, slots: list[int]) -> list[tuple[int, int] | None]:
+        """The length and checksum of the chunk in each of `slots` (leased, so still its
+        chunk's; -1 for none), None where a slot has no checksum yet: the columns read once
+        for all of them, not an entry per chunk."""
+        wanted = np.asarray(slots, np.int64)
+        safe = np.where(wanted >= 0, wanted, 0)
+        summed = ((self._summed[safe] == 1) & (wanted >= 0)).tolist()
+        lengths, checksums = self._length[safe].tolist(), self._checksum[safe].tolist()
+        return [
+            (length, checksum) if ok else None
+            for length, checksum, ok in zip(lengths, checksums, summed, strict=True)
+        ]
+
     def key_at(self, slot: int) -> ChunkKey:
         """The namespace and key of the chunk in `slot`."""
         if self._state[slot] == _FREE:

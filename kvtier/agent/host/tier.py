@@ -168,11 +168,11 @@ class HostTier:
     ) -> list[ChunkHeader | None]:
         """The headers of the sealed chunks a load leased (slot >= 0); None for the others."""
         with self._lock:
-            held = self._index.entries(namespace, keys)
-            entries = [e if slot >= 0 else None for e, slot in zip(held, slots, strict=True)]
-            return [
-                e.header() if e is not None and e.checksum is not None else None for e in entries
-            ]
+            sealed = self._index.sealed(slots)
+        return [
+            ChunkHeader(namespace, key, *found) if found is not None else None
+            for key, found in zip(keys, sealed, strict=True)
+        ]
 
     # --- requests (called by the server loop) ----------------------------------------------
 

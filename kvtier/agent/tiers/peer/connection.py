@@ -106,7 +106,7 @@ class Connection:
         self, fetch: Fetch, outs: list[memoryview]
     ) -> tuple[list[str], list[bytes]] | None:
         """A fetch whose payload frames are received straight into `outs` (slots reserved
-        in this agent's pool): the per-key statuses and the header pages of the chunks
+        in this agent's pool): the per-key statuses and the packed headers of the chunks
         sent; None when the peer did not answer."""
         with self.lock:
             sock = self.socket()

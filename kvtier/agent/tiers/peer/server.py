@@ -220,7 +220,7 @@ class PeerServer:
                 request.ticket, request.secret, lease, payloads, deadline, request.sealed
             )
         statuses = [c if isinstance(c, str) else Answer.SENT for c in chunks]
-        return Streamed(self.stream.port, statuses, [header.page() for _, header in sent])
+        return Streamed(self.stream.port, statuses, [header.pack() for _, header in sent])
 
     def _lend(self, namespace: str, keys: list[bytes]) -> Loan:
         if self.nixl is None:
@@ -228,7 +228,7 @@ class PeerServer:
         lease, chunks = self._lease(namespace, keys)
         base, geometry = self.nixl.base, self.host.pool.geometry
         lent: list[Lent | str] = [
-            c if isinstance(c, str) else Lent(base + geometry.payload_offset(c[0]), c[1].page())
+            c if isinstance(c, str) else Lent(base + geometry.payload_offset(c[0]), c[1].pack())
             for c in chunks
         ]
         regions = [
@@ -262,7 +262,7 @@ class PeerServer:
             slot, header = chunk
             statuses.append(Answer.SENT)
             # Sent from the slot itself; the lease ends once ZMQ is done with the bytes.
-            frames += [header.page(), self.host.pool.payload(slot, header.length).data]
+            frames += [header.pack(), self.host.pool.payload(slot, header.length).data]
         frames[2] = encode(statuses)
         tracker = self._sock.send_multipart(frames, copy=False, track=True)
         if lease:

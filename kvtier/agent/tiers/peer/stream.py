@@ -15,7 +15,7 @@ Two ways, chosen by the asker per request (`Stream.sealed`):
 
 One request: over CURVE the asker sends `Stream(namespace, keys, secret, ticket, sealed)`;
 the holder leases the chunks, answers `Streamed(port, statuses, pages)` (an `Answer` per
-key, the header page of each chunk sent) and keeps the lease under the ticket. The asker
+key, the packed header of each chunk sent) and keeps the lease under the ticket. The asker
 writes the ticket on its stream connection to that port, and the holder writes the count of
 chunks, then each chunk sent, in order, as its length (8 bytes), its bytes (ciphertext when
 sealed) and its 16-byte tag, with nonce = the chunk's index (and, sealed, associated data =

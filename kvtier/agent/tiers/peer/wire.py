@@ -72,7 +72,7 @@ class Stream(ChunkKeys, tag="stream"):
 class Streamed(msgspec.Struct):
     port: int  # the holder's stream port; 0: it has none (ask with `Fetch`)
     statuses: list[str]  # an Answer per key
-    pages: list[bytes]  # the header page of each chunk sent, in order
+    pages: list[bytes]  # the packed header of each chunk sent, in order
 
 
 class Holds(ChunkKeys, tag="holds"):
