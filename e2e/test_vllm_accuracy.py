@@ -61,7 +61,6 @@ def test_reload_gives_the_tokens_of_recompute(
                 "kv_transfer_config": kv_config(agent),
                 "prompts": PROMPTS,
                 "max_tokens": MAX_TOKENS,
-                "ignore_eos": True,  # a random-weight model may emit EOS early
             }
             runs += [run, run]  # recompute (and store), then reload in a fresh engine
             cases.append(f"{arch}/{dtype}")
@@ -72,4 +71,6 @@ def test_reload_gives_the_tokens_of_recompute(
         print(f"{case}: {reload['metrics'][HITS]:.0f} prompt tokens reloaded, {tokens} compared")
         assert reload["metrics"][HITS] > 0, case  # the reload really loaded
         assert reload["passes"][0] == recompute["passes"][0], case
-        assert all(len(tokens) == MAX_TOKENS for tokens in recompute["passes"][0]), case
+        # a random-weight model may end an output at EOS: the comparison must still cover
+        # most of the tokens asked for, not be emptied by it
+        assert tokens >= 3 * MAX_TOKENS * len(PROMPTS) // 4, case

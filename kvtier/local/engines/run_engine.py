@@ -8,7 +8,7 @@ the vLLM environment's Python.
 
 `--runs` is a JSON list of objects: model, kv_transfer_config, prompts (texts, or lists of
 token ids, which need no tokenizer), and optionally dtype, block_size, hf_overrides, passes,
-max_tokens, ignore_eos and kv_transfer_params (what a P/D proxy adds to each request).
+max_tokens and kv_transfer_params (what a P/D proxy adds to each request).
 """
 
 from __future__ import annotations
@@ -38,14 +38,7 @@ def serve(run: dict[str, Any]) -> dict[str, Any]:
     # What a P/D proxy adds to a decode request: where the prefill side's KV is.
     transfer = run.get("kv_transfer_params")
     extra = {"kv_transfer_params": transfer} if transfer else None
-    # ignore_eos: every output runs to max_tokens, so a comparison of outputs covers as many
-    # tokens whatever a random-weight model happens to end with.
-    params = SamplingParams(
-        max_tokens=run.get("max_tokens", 16),
-        temperature=0.0,
-        ignore_eos=run.get("ignore_eos", False),
-        extra_args=extra,
-    )
+    params = SamplingParams(max_tokens=run.get("max_tokens", 16), temperature=0.0, extra_args=extra)
     prompts: list[Any] = [
         p if isinstance(p, str) else TokensPrompt(prompt_token_ids=p) for p in run["prompts"]
     ]
