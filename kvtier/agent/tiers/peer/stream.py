@@ -36,6 +36,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -278,20 +279,23 @@ class StreamChannel:
                 (size,) = LENGTH.unpack(head)
                 if size > (len(out) if out is not None else MAX_DROPPED):
                     raise StreamFailed(f"chunk of {size} bytes does not fit its slot")
+                check: Callable[[], object]  # raises InvalidTag for bytes not the holder's
                 if out is not None and not sealed:  # straight into the slot
                     body = out[:size]
                     _recv_exactly(sock, body)
                     _recv_exactly(sock, memoryview(tag))
-                    opened(index, self._signed(aead, index, bytes(tag), body))
-                    continue
-                if len(self._sealed) < size + TAG:
-                    self._sealed = bytearray(size + TAG)
-                wire = memoryview(self._sealed)[: size + TAG]
-                _recv_exactly(sock, wire)
-                if out is None:
-                    continue
+                    check = partial(aead.decrypt, _nonce(index), bytes(tag), body)
+                else:
+                    if len(self._sealed) < size + TAG:
+                        self._sealed = bytearray(size + TAG)
+                    wire = memoryview(self._sealed)[: size + TAG]
+                    _recv_exactly(sock, wire)
+                    if out is None:
+                        continue
+                    aad = _aad(ticket, index)
+                    check = partial(aead.decrypt_into, _nonce(index), wire, aad, out[:size])
                 try:
-                    aead.decrypt_into(_nonce(index), wire, _aad(ticket, index), out[:size])
+                    check()
                     opened(index, True)
                 except InvalidTag:
                     opened(index, False)
@@ -301,14 +305,6 @@ class StreamChannel:
         except StreamFailed:
             self.close()
             raise
-
-    @staticmethod
-    def _signed(aead: AESGCM, index: int, tag: bytes, body: memoryview) -> bool:
-        try:
-            aead.decrypt(_nonce(index), tag, body)
-            return True
-        except InvalidTag:
-            return False
 
     def close(self) -> None:
         if self._sock is not None:
