@@ -121,7 +121,7 @@ def test_nixl_data_path_without_nixl_refused(
     scratch: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NIXL absent (as on an image built without it): asking for it is refused by name, and
-    `auto` still starts (over the sealed stream or ZMQ)."""
+    `auto` still starts (over the stream or ZMQ)."""
     monkeypatch.setattr(nixl_path, "_nixl", None)
     data = config_data(scratch)
     data["report"] = {"target": "file", "directory": str(scratch / "registry")}
@@ -133,6 +133,20 @@ def test_nixl_data_path_without_nixl_refused(
     check_runtime(parse_config(data))
     data["tiers"][0]["peer"]["dataPath"] = "rdma"
     assert "tiers.0.peer.dataPath: Input should be 'auto', 'nixl', 'tcp' or 'zmq'" in refuse(data)
+
+
+def test_encrypted_bytes_never_take_nixl(scratch: Path) -> None:
+    """NIXL moves bytes in the clear: `encryptBytes` with `dataPath: nixl` is refused by
+    name, with the fix; with `auto` it is accepted (the agent then leaves NIXL out:
+    `tests/test_peer_stream.py`)."""
+    data = config_data(scratch)
+    data["report"] = {"target": "file", "directory": str(scratch / "registry")}
+    data["tiers"] = [{"name": "peers", "peer": {"dataPath": "nixl", "encryptBytes": True}}]
+    message = refuse(data)
+    assert "encryptBytes with dataPath 'nixl'" in message and "'auto' or 'tcp'" in message
+    data["tiers"][0]["peer"]["dataPath"] = "auto"
+    peer = parse_config(data).tiers[0].peer
+    assert peer is not None and peer.encrypt_bytes and peer.data_path == "auto"
 
 
 def test_not_yaml_mapping(tmp_path: Path) -> None:

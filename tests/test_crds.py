@@ -136,6 +136,11 @@ def test_good_tier_is_admitted_with_defaults() -> None:
             "dataPort must differ from port",
         ),
         ({"tiers": [{"name": "p", "peer": {"port": 5560}}]}, "spec.tiers[0].peer", "differ"),
+        (
+            {"tiers": [{"name": "p", "peer": {"encryptBytes": True, "transports": ["nixl"]}}]},
+            "spec.tiers[0].peer",
+            "encryptBytes needs the tcp transport",
+        ),
         ({"isolation": "cluster"}, "spec.isolation", "is not one of"),
     ],
 )

@@ -187,14 +187,16 @@ def test_agents_load_over_the_stream_and_fall_back_without_it(
     scratch: Path,
     sealed: bool,
 ) -> None:
-    """Two agents with the tier's CURVE keys (as the operator deploys them) and `dataPath:
-    tcp`, the asker with `encryptBytes` or without: chunks arrive over the stream, exact. A
-    stranger filling the holder's stream port with junk changes nothing. A holder without a
-    stream (`dataPath: zmq`) answers with no port, and its chunks come as ZMQ frames, no
-    stream failure counted."""
+    """Two agents with the tier's CURVE keys (as the operator deploys them): with `dataPath:
+    tcp`, or with `encryptBytes` and `dataPath: auto` (NIXL is installed here, and left out
+    because it moves bytes in the clear), chunks arrive over the stream, exact. A stranger
+    filling the holder's stream port with junk changes nothing. A holder without a stream
+    (`dataPath: zmq`) answers with no port, and its chunks come as ZMQ frames, no stream
+    failure counted."""
     keys = scratch / "keys"
     write_keys(keys)
     port = free_port()
+    path = {"dataPath": "auto", "encryptBytes": True} if sealed else {"dataPath": "tcp"}
     holder = agent_factory(
         node_config(
             make_config,
@@ -202,19 +204,11 @@ def test_agents_load_over_the_stream_and_fall_back_without_it(
             "holder",
             keys,
             timeoutSeconds=1.2,
-            dataPath="tcp",
             streamPort=port,
+            **path,
         )
     )
-    asker_config = node_config(
-        make_config,
-        scratch,
-        "asker",
-        keys,
-        timeoutSeconds=1.2,
-        dataPath="tcp",
-        encryptBytes=sealed,
-    )
+    asker_config = node_config(make_config, scratch, "asker", keys, timeoutSeconds=1.2, **path)
     agent_factory(asker_config)
     with AgentClient(holder.config.endpoint) as producer:
         store(producer, range(6))
@@ -226,6 +220,7 @@ def test_agents_load_over_the_stream_and_fall_back_without_it(
         counts = peer_stats(asker).peer
         assert counts is not None
         assert counts.stream_reads == 6 and counts.stream_failures == 0
+        assert counts.nixl_reads == 0 and counts.nixl_failures == 0
     old = agent_factory(
         node_config(make_config, scratch, "old", keys, timeoutSeconds=1.2, dataPath="zmq")
     )

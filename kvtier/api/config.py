@@ -183,8 +183,8 @@ class PeerTierConfig(_Model):
     encrypt_bytes: bool = Field(
         default=False,
         description="Chunks this agent reads over the stream are encrypted as well "
-        "(AES-GCM), for networks not trusted with the bytes; off, they travel in the clear, "
-        "each authenticated. NIXL's bytes are in the clear either way.",
+        "(AES-GCM), for networks not trusted with the bytes, and NIXL, which moves them in "
+        "the clear, is not used; off, they travel in the clear, each authenticated.",
     )
     max_lent_chunks: int = Field(
         default=256,
@@ -192,6 +192,15 @@ class PeerTierConfig(_Model):
         description="Chunks this agent serves to peers at once; more requests are refused "
         "(a miss for the asker) so an overloaded node sheds load instead of queueing it.",
     )
+
+    @model_validator(mode="after")
+    def _encrypted_path(self) -> PeerTierConfig:
+        if self.encrypt_bytes and self.data_path == "nixl":
+            raise ValueError(
+                "encryptBytes with dataPath 'nixl': NIXL moves chunk bytes in the clear; "
+                "set dataPath to 'auto' or 'tcp' (the encrypted stream), or drop encryptBytes"
+            )
+        return self
 
 
 class TierConfig(_Model):

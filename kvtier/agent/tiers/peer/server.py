@@ -73,7 +73,9 @@ class PeerServer:
         self.host = host
         self.directory = Directory(config.announce_ttl_seconds)
         self.nixl: NixlPath | None = None
-        if config.data_path == "nixl" or (config.data_path == "auto" and available()):
+        # NIXL moves bytes in the clear: a tier that encrypts them never registers it.
+        wanted = config.data_path == "nixl" or (config.data_path == "auto" and available())
+        if wanted and not config.encrypt_bytes:
             name = f"kvtier-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
             self.nixl = NixlPath(name, host.pool)
         self._ctx = context()
