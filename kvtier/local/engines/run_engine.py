@@ -8,7 +8,8 @@ the vLLM environment's Python.
 
 `--runs` is a JSON list of objects: model, kv_transfer_config, prompts (texts, or lists of
 token ids, which need no tokenizer), and optionally dtype, block_size, hf_overrides, passes,
-max_tokens and kv_transfer_params (what a P/D proxy adds to each request).
+max_tokens, logprobs (how many of each output token's top candidates to return, with their
+log-probabilities) and kv_transfer_params (what a P/D proxy adds to each request).
 """
 
 from __future__ import annotations
@@ -38,15 +39,21 @@ def serve(run: dict[str, Any]) -> dict[str, Any]:
     # What a P/D proxy adds to a decode request: where the prefill side's KV is.
     transfer = run.get("kv_transfer_params")
     extra = {"kv_transfer_params": transfer} if transfer else None
-    params = SamplingParams(max_tokens=run.get("max_tokens", 16), temperature=0.0, extra_args=extra)
+    params = SamplingParams(
+        max_tokens=run.get("max_tokens", 16),
+        temperature=0.0,
+        logprobs=run.get("logprobs"),
+        extra_args=extra,
+    )
     prompts: list[Any] = [
         p if isinstance(p, str) else TokensPrompt(prompt_token_ids=p) for p in run["prompts"]
     ]
-    passes = []
+    passes, candidates = [], []
     try:
         for n in range(run.get("passes", 1)):
             outputs = llm.generate(prompts, params, use_tqdm=False)
             passes.append([list(o.outputs[0].token_ids) for o in outputs])
+            candidates.append([top_candidates(o.outputs[0].logprobs) for o in outputs])
             if n + 1 < run.get("passes", 1):
                 llm.reset_prefix_cache()
         metrics = {
@@ -58,7 +65,13 @@ def serve(run: dict[str, Any]) -> dict[str, Any]:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
-    return {"passes": passes, "metrics": metrics}
+    return {"passes": passes, "candidates": candidates, "metrics": metrics}
+
+
+def top_candidates(logprobs: Any) -> list[dict[str, float]]:
+    """Per output token, its top candidates' ids (as JSON keys) and log-probabilities;
+    empty when the run asked for none."""
+    return [{str(t): p.logprob for t, p in step.items()} for step in logprobs or []]
 
 
 def main() -> None:
