@@ -77,6 +77,29 @@ def test_chunks_stored_on_one_node_are_loaded_on_another(
         assert time.monotonic() - started < 10
 
 
+def test_an_agent_that_advertises_another_name_still_listens_on_its_bind(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    """`advertise` is what peers are told to dial (a name that reaches the bound address),
+    not a replacement for binding: the other agent dials the advertised name and loads."""
+    port = free_port()
+    advertised = f"tcp://localhost:{port}"
+    producer = node_config(
+        make_config, scratch, "node-a", None, bind=f"tcp://127.0.0.1:{port}", advertise=advertised
+    )
+    agent_factory(producer)
+    consumer_config = node_config(make_config, scratch, "node-b", None)
+    agent_factory(consumer_config)
+    record = scratch / "registry" / "node-a.json"
+    wait_for(record.is_file)
+    assert json.loads(record.read_text())["endpoint"] == advertised
+    ids = list(range(4))
+    with AgentClient(consumer_config.endpoint) as consumer:
+        shared_between(producer.endpoint, consumer, ids)
+        assert load_exact(consumer, ids) == [True] * len(ids)
+        assert moved_chunks(consumer) == len(ids)
+
+
 def test_rendezvous_homes_move_only_for_changed_members() -> None:
     members = [f"tcp://10.0.0.{i}:5557" for i in range(10)]
     keys = [b"k%d" % i for i in range(2000)]

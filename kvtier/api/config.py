@@ -142,7 +142,10 @@ class PeerTierConfig(_Model):
 
     bind: str = Field(default="tcp://0.0.0.0:5557", description="Where this agent serves peers.")
     advertise: str | None = Field(
-        default=None, description="Endpoint peers dial; default: bind with this host's name."
+        default=None,
+        description="Endpoint peers are told to dial (a name or address that reaches `bind` "
+        "from other nodes); default: the bound endpoint, with the pod's address or this host's "
+        "name.",
     )
     curve_key_dir: Path | None = Field(
         default=None,

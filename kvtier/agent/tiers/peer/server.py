@@ -94,7 +94,9 @@ class PeerServer:
             self._sock.curve_server = True
             self._sock.curve_publickey = self.keys.public
             self._sock.curve_secretkey = self.keys.secret
-        self.endpoint = config.advertise or bind_on_pod_address(self._sock, config.bind)
+        # bound whatever is advertised: `advertise` only changes what peers are told to dial
+        bound_endpoint = bind_on_pod_address(self._sock, config.bind)
+        self.endpoint = config.advertise or bound_endpoint
         self.stream: StreamServer | None = None
         if config.data_path != "zmq":
             # on the address the peer socket bound (the pod's, where POD_IP names it)
