@@ -15,6 +15,7 @@ from kvtier.agent.host.index import Grant
 from kvtier.agent.host.tier import HostTier
 from kvtier.agent.report.metrics import AgentMetrics
 from kvtier.api.config import HostTierConfig
+from kvtier.shm.pool import copy_summed
 from kvtier.shm.table import digests
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
@@ -89,3 +90,52 @@ def test_checksums_run_without_the_lock_and_spare_a_slot_taken_meanwhile(
     tier.commit(grant.lease, "c")
     assert held(tier, 9, 0) == [True, False]
     assert tier.stats().corrupt == 0
+
+
+def test_a_commit_publishes_only_what_matches_the_clients_checksums(tier: HostTier) -> None:
+    """The client's staging sum of each row it staged comes with the commit: a staged
+    chunk whose bytes changed before the agent copied it is dropped and counted, the others
+    of the same lease are published; a commit with the wrong number of sums is refused."""
+    grant = tier.allocate("c", NS, [key(0), key(1)], ROW)
+    made = [
+        copy_summed(tier.staging.payload(staged, ROW), row(i, ROW), of_source=True)
+        for i, staged in enumerate(grant.staging)
+    ]
+    tier.staging.payload(grant.staging[0], ROW)[7] ^= 0x01  # another writer, after the client
+    tier.commit(grant.lease, "c", made)
+    assert held(tier, 0, 1) == [False, True]
+    assert tier.stats().corrupt == 1
+
+    grant = tier.allocate("c", NS, [key(2)], ROW)
+    tier.staging.payload(grant.staging[0], ROW)[:] = row(2, ROW)
+    with pytest.raises(ValueError, match="1 chunks its lease staged"):
+        tier.commit(grant.lease, "c", made)
+    assert held(tier, 2) == [False]
+    assert tier.stats().free_staging_slots == tier.stats().staging_slots  # none kept
+
+
+@pytest.mark.parametrize("nbytes", [1, 63, 64, 4096 + 9, (256 << 10) * 3 + 100])
+def test_the_staging_sum_changes_with_a_byte_a_moved_part_or_blocks_in_another_order(
+    nbytes: int,
+) -> None:
+    """What a client's sum must catch: any one byte changed (tail bytes too), a part of a
+    block swapped with another, blocks swapped; the copy it makes is the source's."""
+    rng = np.random.default_rng(nbytes)
+    src = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    base = copy_summed(dst, src, of_source=True)
+    assert np.array_equal(dst, src) and copy_summed(np.empty_like(src), dst) == base
+    for at in {0, nbytes // 2, nbytes - 1}:
+        changed = src.copy()
+        changed[at] ^= 0x80
+        assert copy_summed(np.empty_like(src), changed) != base, at
+    moves = []
+    if nbytes >= 64:
+        part = nbytes // 64 * 8  # a block's parts are 8 consecutive eighths of it
+        moves.append((0, part, part))
+    if nbytes > 2 * (256 << 10):
+        moves.append((0, 256 << 10, 256 << 10))
+    for a, b, n in moves:
+        moved = src.copy()
+        moved[a : a + n], moved[b : b + n] = src[b : b + n], src[a : a + n]
+        assert copy_summed(np.empty_like(src), moved) != base, (a, b)

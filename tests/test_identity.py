@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient, AgentUnavailable
 from kvtier.local.agent import AgentProcess, scratch_config
+from kvtier.shm.pool import PoolMap
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="switching to other uids and groups needs root (CI runs as root)"
@@ -109,3 +111,68 @@ def test_files_the_agent_makes_belong_to_the_tiers_group_only(tier_agent: AgentC
         assert info.st_gid == GROUP, path
         assert info.st_mode & 0o007 == 0, (path, oct(info.st_mode))  # nothing for others
         assert info.st_mode & 0o060 == group, (path, oct(info.st_mode))
+
+
+def _scribble(staging: str, uid: int, groups: list[int], seconds: float) -> None:
+    """In a forked child: a pod of the tier that means harm, writing other bytes into every
+    staging slot, over and over, while other clients store (the area is its group's)."""
+    os.setgroups(groups)
+    os.setgid(groups[0])
+    os.setuid(uid)
+    area = PoolMap.open(Path(staging), populate=False, writable=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for slot in range(area.geometry.slot_count):
+            area.payload(slot).fill(0xEE)
+
+
+def _store_and_check(
+    endpoint: str, uid: int, groups: list[int], rounds: int, out: Connection
+) -> None:
+    """In a forked child: store rows round after round (new keys each) and load each round
+    back; report how many came back whole, and how many with bytes that are not the row's."""
+    os.setgroups(groups)
+    os.setgid(groups[0])
+    os.setuid(uid)
+    same = wrong = 0
+    with AgentClient(endpoint, timeout=5) as client:
+        for r in range(rounds):
+            rows = [np.full(ROW, (r * 16 + i) % 200, np.uint8) for i in range(16)]
+            keys = [b"scribbled-%03d-%018d" % (r, i) for i in range(16)]
+            client.store("identity", keys, rows)
+            back = [np.zeros(ROW, np.uint8) for _ in rows]
+            for ok, a, b in zip(client.load_into("identity", keys, back), rows, back, strict=True):
+                if ok:
+                    same += int(np.array_equal(a, b))
+                    wrong += int(not np.array_equal(a, b))
+    out.send((same, wrong))
+
+
+def test_bytes_a_tier_member_writes_into_other_clients_staging_slots_are_never_served(
+    tier_agent: AgentConfig,
+) -> None:
+    """The staging area is the tier group's to write: a member (another uid, the group, no
+    capabilities) scribbling over every slot while a client stores must not get its bytes
+    sealed under the client's keys. Each chunk loaded back is the client's row; the ones
+    scribbled on are dropped at commit (counted as corrupt) and come back as misses."""
+    staging = str(tier_agent.pool_path.with_name(tier_agent.pool_path.name + ".staging"))
+    fork = multiprocessing.get_context("fork")
+    scribbler = fork.Process(target=_scribble, args=(staging, 1000710000, [GROUP], 20.0))
+    receive, send = multiprocessing.Pipe(duplex=False)
+    storer = fork.Process(
+        target=_store_and_check, args=(tier_agent.endpoint, 65532, [GROUP], 40, send)
+    )
+    scribbler.start()
+    try:
+        time.sleep(0.5)  # scribbling before the first store
+        storer.start()
+        storer.join(60)
+        assert storer.exitcode == 0, storer.exitcode
+    finally:
+        scribbler.terminate()
+        scribbler.join(10)
+    same, wrong = receive.recv()
+    with AgentClient(tier_agent.endpoint, timeout=5) as client:
+        corrupt = client.stats().host.corrupt
+    assert wrong == 0, f"{wrong} chunks loaded with another pod's bytes ({same} whole)"
+    assert corrupt > 0  # the scribbles landed, and were caught

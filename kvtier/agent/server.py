@@ -306,9 +306,9 @@ class Agent:
                         p.store_status(slots),
                     )
                 return p.LeaseReply(lease, slots, [], generations, staging)  # in band
-            case p.Commit(lease):
+            case p.Commit(lease, staged):
                 # the agent copies the staged chunks into the pool: off the request loop
-                return lambda: self._commit(lease, client)
+                return lambda: self._commit(lease, client, staged)
             case p.Abort(lease):
                 host.abort(lease, client)
             case p.BeginLoad(namespace, keys, source):
@@ -342,9 +342,9 @@ class Agent:
                 return self.access_log.reply(after)
         return p.Ack()
 
-    def _commit(self, lease: int, client: str) -> p.Reply:
+    def _commit(self, lease: int, client: str, sums: list[int] | None) -> p.Reply:
         try:
-            self.host.commit(lease, client)
+            self.host.commit(lease, client, sums)
         except (LeaseError, ValueError) as exc:
             return self._refusal("commit", exc)
         return p.Ack()

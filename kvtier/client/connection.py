@@ -2,8 +2,9 @@
 
 Control messages go over the agent's ipc socket; chunk bytes are copied by this process
 from its own buffers into the agent's staging area (the agent copies them into the pool at
-commit) and straight out of the pool, which it maps read-only (numpy copies release the GIL,
-so several threads copy in parallel). Imports only numpy, pyzmq and msgspec, which vLLM has.
+commit, publishing only what matches the sum this process made of each row as it staged
+it) and straight out of the pool, which it maps read-only (numpy copies release the GIL, so
+several threads copy in parallel). Imports only numpy, pyzmq and msgspec, which vLLM has.
 
 Every call either answers within `timeout` or raises AgentUnavailable, which the caller
 turns into a cache miss (or AgentRefused, when the agent answered with an error). After a
@@ -55,7 +56,7 @@ from kvtier.client.transport import (
     Transport,
 )
 from kvtier.shm.files import foreign
-from kvtier.shm.pool import Bytes, PoolMap, staging_path
+from kvtier.shm.pool import Bytes, PoolMap, copy_summed, staging_path
 from kvtier.shm.table import TableReader, digests, index_path
 
 ALIVE_SECONDS = 0.01  # per-key lookups test the agent's liveness at most this often
@@ -356,20 +357,21 @@ class AgentClient:
             grant.slots = p.granted_slots(grant.slots)
         return grant
 
-    def commit(self, lease: int) -> None:
+    def commit(self, lease: int, sums: list[int] | None = None) -> None:
         """A round trip: once it returns, every client of the agent sees the chunks (a
-        one-way commit could still be queued behind another client's lookup). Raises
-        LeaseLost when the lease is void."""
-        self._call(p.Commit(lease), p.Ack)
+        one-way commit could still be queued behind another client's lookup). `sums`: what
+        `stage` returned, so that the agent publishes only the bytes this client staged.
+        Raises LeaseLost when the lease is void."""
+        self._call(p.Commit(lease, sums), p.Ack)
 
-    def _commit_ahead(self, lease: int) -> bytes:
+    def _commit_ahead(self, lease: int, sums: list[int]) -> bytes:
         """Send a Commit without waiting for its reply (see `store`): its request id."""
         if self.reports.pending:
             self.flush_reports()
         with self._transport.lock:
             if self.hello is None:
                 self._connect_locked(time.monotonic() + self.timeout)
-            return self._transport.send_ahead(p.Commit(lease))
+            return self._transport.send_ahead(p.Commit(lease, sums))
 
     def _commit_done(self, rid: bytes, lease: int) -> None:
         """Wait for the reply to a Commit sent ahead; raises as `commit` does."""
@@ -475,13 +477,12 @@ class AgentClient:
                     nbytes,
                     None if parents is None else [parents[i] for i in batch],
                 )
-                if grant.lease:
-                    self._stage(grant, [views[i] for i in batch], nbytes)
+                staged = self.stage(grant, [views[i] for i in batch], nbytes) if grant.lease else []
                 if ahead is not None:
                     self._commit_done(*ahead)
                     ahead = None
                 if grant.lease:
-                    ahead = (self._commit_ahead(grant.lease), grant.lease)
+                    ahead = (self._commit_ahead(grant.lease, staged), grant.lease)
                 granted = sum(1 for s in grant.slots if s >= 0)
                 later = [
                     i
@@ -505,17 +506,23 @@ class AgentClient:
                     self._commit_done(*ahead)
         return StoreResult(stored, skipped)
 
-    def _stage(self, grant: Grant, views: list[Bytes], nbytes: int) -> None:
-        """Copy rows into their granted staging slots; on any failure the lease is aborted."""
+    def stage(self, grant: Grant, views: Sequence[Bytes], nbytes: int) -> list[int]:
+        """Copy rows (one per key of the grant) into their granted staging slots and return
+        the staging sums of the rows staged, for `commit`: each made of this client's own
+        row while it is copied, so bytes another process writes into the slot before the
+        agent copies it are caught there. On any failure the lease is aborted."""
+        sums: list[int] = []
         try:
             for i, (view, slot) in enumerate(zip(views, grant.slots, strict=True)):
                 if slot >= 0:
                     if not self.still_granted(grant, i):
                         raise LeaseLost(f"lease {grant.lease} expired before its copy")
-                    np.copyto(self.staging_slot(grant.staging[i], nbytes), view)
+                    into = self.staging_slot(grant.staging[i], nbytes)
+                    sums.append(copy_summed(into, view, of_source=True))
         except BaseException:
             self.abort(grant.lease)
             raise
+        return sums
 
     def load_into(
         self, namespace: str, keys: Sequence[bytes], outs: Sequence[Any], source: str = ""

@@ -94,6 +94,7 @@ Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
 Source = Annotated[str, msgspec.Meta(max_length=512)]
 LeaseId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+U64Int = Annotated[int, msgspec.Meta(ge=0)]  # bounds stop at int64; msgpack holds uint64
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -146,6 +147,11 @@ class Allocate(msgspec.Struct, tag="allocate"):
 
 class Commit(msgspec.Struct, tag="commit"):
     lease: LeaseId
+    # The staging sum (shm/pool.py: copy_summed) of each granted key's row as the client
+    # staged it, in the grant's order: the agent publishes only copies with the same sum.
+    # An agent that predates the field ignores it; without it the agent publishes what it
+    # finds staged.
+    sums: Annotated[list[U64Int], msgspec.Meta(max_length=MAX_KEYS)] | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -194,3 +195,50 @@ def open_staging(path: Path, geometry: PoolGeometry, populate: bool) -> PoolMap:
     else:  # none yet, or slots of another size: its stamps would be read at the wrong stride
         create(path, geometry, STAGING_MODE)
     return PoolMap(path, geometry, populate)
+
+
+COPY_BLOCK = 256 << 10  # copied, then summed while still in cache
+_LANES = 8  # a block's sum is 8 sums of its 8 consecutive parts: a moved part changes it
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # each block's turn: blocks in another order differ
+_FOLD = np.array([(0x9E3779B97F4A7C15 * (2 * i + 1)) % (1 << 64) for i in range(_LANES)], "<u8")
+
+
+def copy_summed(
+    dst: Bytes,
+    src: Bytes,
+    of_source: bool = False,
+    each_block: Callable[[Bytes], object] | None = None,
+) -> int:
+    """Copy `src` into `dst` and return the staging sum of one of them (of the source when
+    `of_source`), each block summed right after it is copied, from cache; `each_block` is
+    called with each copied block of `dst` (the agent hashes its copy there).
+
+    A client sums each row it stages from its own row, the agent sums its copy in the pool:
+    bytes that changed in the staging slot in between give two different sums. The sum adds
+    the row's 64-bit words (wrapping) by block and by part of a block, at several times
+    memcpy's speed with numpy alone (vLLM's images have no fast hash, and a CRC runs at a
+    fraction of memcpy): any change but one that rearranges words within a part, or
+    one made to cancel out, changes it. It guards against accidents and blind writes, not
+    against a writer that crafts its bytes (see docs/security.md)."""
+    state = np.zeros(_LANES, np.uint64)
+    summed = src if of_source else dst
+    for start in range(0, src.nbytes, COPY_BLOCK):
+        end = start + COPY_BLOCK
+        np.copyto(dst[start:end], src[start:end])
+        state *= _MIX
+        state += _lane_sums(summed[start:end])
+        if each_block is not None:
+            each_block(dst[start:end])
+    return int(np.add.reduce(state * _FOLD))
+
+
+def _lane_sums(block: Bytes) -> npt.NDArray[np.uint64]:
+    whole = block.nbytes - block.nbytes % (8 * _LANES)
+    lanes: npt.NDArray[np.uint64] = np.add.reduce(
+        block[:whole].view("<u8").reshape(_LANES, -1), axis=1
+    )
+    if whole < block.nbytes:  # a tail shorter than 8 words, zero-padded
+        tail = np.zeros(8 * _LANES, np.uint8)
+        tail[: block.nbytes - whole] = block[whole:]
+        lanes += tail.view("<u8")
+    return lanes

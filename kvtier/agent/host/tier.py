@@ -49,7 +49,7 @@ from kvtier.api.pool_layout import (
 from kvtier.api.stats import HostStats, StoreSkip, StoreSkips, Tally
 from kvtier.client.protocol import StoreCode
 from kvtier.shm.files import claim, close_directory
-from kvtier.shm.pool import open_staging, staging_path, trim
+from kvtier.shm.pool import copy_summed, open_staging, staging_path, trim
 from kvtier.shm.table import U64, TableWriter, index_path
 
 log = logging.getLogger("kvtier.agent.host")
@@ -64,7 +64,6 @@ _SKIP_REASONS: dict[int, StoreSkip] = {
     StoreCode.BUSY: "busy",
     StoreCode.STAGING_FULL: "staging",
 }
-COPY_BLOCK = 256 << 10  # copied then hashed while in cache
 # A sealed chunk to check again: its entry, length and checksum, read under the lock.
 _Check = tuple[Entry, int, int]
 
@@ -249,19 +248,34 @@ class HostTier:
                 self._skipped.add(_SKIP_REASONS[slot])
         return Grant(lease, slots, generations, tuple(staging))
 
-    def commit(self, lease: int, client: str) -> None:
+    def commit(self, lease: int, client: str, staged_sums: list[int] | None = None) -> None:
         """Copy a store lease's staged chunks into their pool slots, checksumming each block
         while it is hot, then seal and publish them: once this returns every client finds
         them, and no client can alter them. A slot whose header or generation is not the
-        one its allocation wrote is dropped and counted, never published."""
+        one its allocation wrote is dropped and counted, never published; so is one whose
+        copy's staging sum is not the one its client made of the row it staged
+        (`staged_sums`, in the grant's order of granted keys; see shm/pool.py): the staging
+        area is the tier group's to write, and bytes another process wrote into a client's
+        staging slot meanwhile become a miss, not a chunk."""
         with self._lock:
             entries = self._index.begin_commit(lease, client)
             staged = self._staged.get(lease, {})
         try:
+            expected: dict[int, int] | None = None
+            if staged_sums is not None:
+                if len(staged_sums) != len(staged):
+                    raise ValueError(
+                        f"commit names {len(staged_sums)} staging sums for the {len(staged)} "
+                        "chunks its lease staged; send one per granted key, in order"
+                    )
+                expected = dict(zip(staged, staged_sums, strict=True))
             work = [(e.slot, staged[e.slot], e.length) for e in entries]
             digests: dict[int, int] = {}
-            for slot, digest in self._copiers.map(lambda w: (w[0], self._copy_in(*w)), work):
-                digests[slot] = digest
+            sums: dict[int, int] = {}
+            for slot, (digest, summed) in self._copiers.map(
+                lambda w: (w[0], self._copy_in(*w)), work
+            ):
+                digests[slot], sums[slot] = digest, summed
         except BaseException:
             with self._lock:
                 self._index.abort(lease, client)
@@ -275,7 +289,12 @@ class HostTier:
                 header == ChunkHeader(ns, key, 0, 0, SlotState.WRITING)
                 and self.pool.generation(entry.slot) == entry.generation
             ):
-                return True
+                if expected is None or expected[entry.slot] == sums[entry.slot]:
+                    return True
+                self._count_corrupt(
+                    f"slot {entry.slot}: its staged bytes changed after its client wrote them"
+                )
+                return False
             self._count_corrupt(f"slot {entry.slot} was overwritten during its store")
             return False
 
@@ -286,18 +305,18 @@ class HostTier:
                 self._seal(entry, digests[entry.slot])
         self._store_bytes.inc(sum(e.length for e in kept))
 
-    def _copy_in(self, slot: int, staged: int, length: int) -> int:
-        """Copy a staged chunk into its pool slot and return its checksum, each block
-        hashed right after it is copied, from cache (xxh3 streams: the same digest as one
-        pass over the whole chunk)."""
-        src = self.staging.payload(staged, length)
-        dst = self.pool.payload(slot, length)
+    def _copy_in(self, slot: int, staged: int, length: int) -> tuple[int, int]:
+        """Copy a staged chunk into its pool slot and return its checksum and its staging
+        sum (what its client's is compared with), each block hashed and summed right after
+        it is copied, from cache (xxh3 streams: the same digest as one pass over the whole
+        chunk)."""
         digest = xxhash.xxh3_64()
-        for start in range(0, length, COPY_BLOCK):
-            block = dst[start : start + COPY_BLOCK]
-            np.copyto(block, src[start : start + COPY_BLOCK])
-            digest.update(block.data)
-        return digest.intdigest()
+        summed = copy_summed(
+            self.pool.payload(slot, length),
+            self.staging.payload(staged, length),
+            each_block=lambda block: digest.update(block.data),
+        )
+        return digest.intdigest(), summed
 
     def _free_staging(self, lease: int, rest_until: float | None = None) -> None:
         """Give back a store lease's staging slots (lock held): at once when its writer is
