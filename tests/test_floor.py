@@ -35,7 +35,7 @@ def test_lru_matches_the_simulators_lru(family: str, traces: dict[str, Path]) ->
     assert compared
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc", "prefix", "optimal"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "prefix", "adaptive", "optimal"])
 def test_direct_replay_is_the_index_replay(policy: str, traces: dict[str, Path]) -> None:
     trace = load_trace(traces["tenants"], 512, 400)
     for blocks in (40, 300):
