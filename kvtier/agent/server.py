@@ -306,9 +306,9 @@ class Agent:
                         p.store_status(slots),
                     )
                 return p.LeaseReply(lease, slots, [], generations, staging)  # in band
-            case p.Commit(lease, staged):
+            case p.Commit(lease, sums):
                 # the agent copies the staged chunks into the pool: off the request loop
-                return lambda: self._commit(lease, client, staged)
+                return lambda: self._commit(lease, client, sums)
             case p.Abort(lease):
                 host.abort(lease, client)
             case p.BeginLoad(namespace, keys, source):
