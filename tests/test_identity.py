@@ -23,7 +23,7 @@ import pytest
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient, AgentUnavailable
 from kvtier.local.agent import AgentProcess, scratch_config
-from kvtier.shm.pool import PoolMap
+from kvtier.shm.pool import PoolMap, staging_path
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="switching to other uids and groups needs root (CI runs as root)"
@@ -50,12 +50,17 @@ def tier_agent() -> Iterator[AgentConfig]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def _become(uid: int, groups: list[int]) -> None:
+    """In a forked child: drop to `uid` with exactly `groups` (the first as primary)."""
+    os.setgroups(groups)
+    os.setgid(groups[0] if groups else uid)
+    os.setuid(uid)
+
+
 def _client(endpoint: str, uid: int, groups: list[int], tag: int, out: Connection) -> None:
     """In a forked child: become `uid` with `groups`, store and load, report what happened."""
     try:
-        os.setgroups(groups)
-        os.setgid(groups[0] if groups else uid)
-        os.setuid(uid)
+        _become(uid, groups)
         os.umask(0o022)  # as in a vLLM container: the client must not rely on a kind umask
         rows = [np.full(ROW, tag + i, np.uint8) for i in range(4)]
         keys = [b"id-%d-%027d" % (tag, i) for i in range(4)]
@@ -102,7 +107,7 @@ def test_files_the_agent_makes_belong_to_the_tiers_group_only(tier_agent: AgentC
     assert run_as(tier_agent.endpoint, 1000710000, [GROUP], tag=3)[0] == "intact"
     socket = Path(tier_agent.endpoint.removeprefix("ipc://"))
     pool = tier_agent.pool_path
-    staging = pool.with_name(pool.name + ".staging")
+    staging = staging_path(pool)
     index = pool.with_name(pool.name + ".index")
     # the group writes the socket and the staging area; the pool and its index it only
     # reads (the agent alone writes them, so no pod can alter a sealed chunk)
@@ -116,9 +121,7 @@ def test_files_the_agent_makes_belong_to_the_tiers_group_only(tier_agent: AgentC
 def _scribble(staging: str, uid: int, groups: list[int], seconds: float) -> None:
     """In a forked child: a pod of the tier that means harm, writing other bytes into every
     staging slot, over and over, while other clients store (the area is its group's)."""
-    os.setgroups(groups)
-    os.setgid(groups[0])
-    os.setuid(uid)
+    _become(uid, groups)
     area = PoolMap.open(Path(staging), populate=False, writable=True)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -131,9 +134,7 @@ def _store_and_check(
 ) -> None:
     """In a forked child: store rows round after round (new keys each) and load each round
     back; report how many came back whole, and how many with bytes that are not the row's."""
-    os.setgroups(groups)
-    os.setgid(groups[0])
-    os.setuid(uid)
+    _become(uid, groups)
     same = wrong = 0
     with AgentClient(endpoint, timeout=5) as client:
         for r in range(rounds):
@@ -155,7 +156,7 @@ def test_bytes_a_tier_member_writes_into_other_clients_staging_slots_are_never_s
     capabilities) scribbling over every slot while a client stores must not get its bytes
     sealed under the client's keys. Each chunk loaded back is the client's row; the ones
     scribbled on are dropped at commit (counted as corrupt) and come back as misses."""
-    staging = str(tier_agent.pool_path.with_name(tier_agent.pool_path.name + ".staging"))
+    staging = str(staging_path(tier_agent.pool_path))
     fork = multiprocessing.get_context("fork")
     scribbler = fork.Process(target=_scribble, args=(staging, 1000710000, [GROUP], 20.0))
     receive, send = multiprocessing.Pipe(duplex=False)
