@@ -56,7 +56,7 @@ from kvtier.client.transport import (
     Transport,
 )
 from kvtier.shm.files import foreign
-from kvtier.shm.pool import Bytes, PoolMap, copy_summed, staging_path
+from kvtier.shm.pool import Bytes, PoolMap, copy_held, staging_path, staging_sum
 from kvtier.shm.table import TableReader, digests, index_path
 
 ALIVE_SECONDS = 0.01  # per-key lookups test the agent's liveness at most this often
@@ -509,7 +509,7 @@ class AgentClient:
     def stage(self, grant: Grant, views: Sequence[Bytes], nbytes: int) -> list[int]:
         """Copy rows (one per key of the grant) into their granted staging slots and return
         the staging sums of the rows staged, for `commit`: each made of this client's own
-        row while it is copied, so bytes another process writes into the slot before the
+        row right after it is copied, so bytes another process writes into the slot before the
         agent copies it are caught there. On any failure the lease is aborted."""
         sums: list[int] = []
         try:
@@ -517,8 +517,8 @@ class AgentClient:
                 if slot >= 0:
                     if not self.still_granted(grant, i):
                         raise LeaseLost(f"lease {grant.lease} expired before its copy")
-                    into = self.staging_slot(grant.staging[i], nbytes)
-                    sums.append(copy_summed(into, view, of_source=True))
+                    copy_held(self.staging_slot(grant.staging[i], nbytes), view)
+                    sums.append(staging_sum(view))
         except BaseException:
             self.abort(grant.lease)
             raise
@@ -552,7 +552,7 @@ class AgentClient:
         try:
             for i, (view, slot) in enumerate(zip(views, grant.slots, strict=True)):
                 if slot >= 0:
-                    np.copyto(view, self.slot(slot, view.nbytes))
+                    copy_held(view, self.slot(slot, view.nbytes))
                     loaded[i] = self.still_granted(grant, i)
         finally:
             self.end_load(grant.lease)
@@ -574,7 +574,7 @@ class AgentClient:
         nbytes = 0
         for i, (view, slot, gen) in enumerate(zip(views, slots, gens, strict=True)):
             if slot >= 0 and pool.generation(slot) == gen:
-                np.copyto(view, pool.payload(slot, view.nbytes))
+                copy_held(view, pool.payload(slot, view.nbytes))
                 if pool.generation(slot) == gen:
                     loaded[i] = True
                     nbytes += view.nbytes

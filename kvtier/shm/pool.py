@@ -197,38 +197,63 @@ def open_staging(path: Path, geometry: PoolGeometry, populate: bool) -> PoolMap:
     return PoolMap(path, geometry, populate)
 
 
+def copy_held(dst: Bytes, src: Bytes) -> None:
+    """Copy `src` into `dst` (uint8 views of one size) without letting go of the GIL.
+
+    numpy lets go of the GIL for a copy of this size and must take it back afterwards. In
+    vLLM's scheduler process the engine's thread runs Python without a pause while a request
+    waits for its KV, so taking the GIL back waits out that thread's switch interval (5 ms):
+    a load of 128 rows of 128 KiB took 130 to 300 ms there, one wait per row, where the
+    copies alone take 2 ms. A memoryview assignment is a plain memcpy under the GIL; a row
+    (128 KiB to a few MiB) takes well under the interval, and the interpreter still switches
+    threads between rows."""
+    dst.data[:] = src.data
+
+
 COPY_BLOCK = 256 << 10  # copied, then summed while still in cache
 _LANES = 8  # a block's sum is 8 sums of its 8 consecutive parts: a moved part changes it
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # each block's turn: blocks in another order differ
 _FOLD = np.array([(0x9E3779B97F4A7C15 * (2 * i + 1)) % (1 << 64) for i in range(_LANES)], "<u8")
 
 
-def copy_summed(
-    dst: Bytes,
-    src: Bytes,
-    of_source: bool = False,
-    each_block: Callable[[Bytes], object] | None = None,
-) -> int:
-    """Copy `src` into `dst` and return the staging sum of one of them (of the source when
-    `of_source`), each block summed right after it is copied, from cache; `each_block` is
-    called with each copied block of `dst` (the agent hashes its copy there).
+def copy_summed(dst: Bytes, src: Bytes, each_block: Callable[[Bytes], object] | None = None) -> int:
+    """Copy `src` into `dst` and return the staging sum of the copy, each block summed
+    right after it is copied, from cache; `each_block` is called with each copied block of
+    `dst` (the agent hashes its copy there). The same sum as `staging_sum(dst)`.
 
-    A client sums each row it stages from its own row, the agent sums its copy in the pool:
-    bytes that changed in the staging slot in between give two different sums. The sum adds
-    the row's 64-bit words (wrapping) by block and by part of a block, at several times
-    memcpy's speed with numpy alone (vLLM's images have no fast hash, and a CRC runs at a
-    fraction of memcpy): any change but one that rearranges words within a part, or
-    one made to cancel out, changes it. It guards against accidents and blind writes, not
-    against a writer that crafts its bytes (see docs/security.md)."""
+    A client sums each row it stages from its own row (`staging_sum`), the agent sums its
+    copy in the pool: bytes that changed in the staging slot in between give two different
+    sums. The sum adds the row's 64-bit words (wrapping) by block and by part of a block, at
+    several times memcpy's speed with numpy alone (vLLM's images have no fast hash, and a
+    CRC runs at a fraction of memcpy): any change but one that rearranges words within a
+    part, or one made to cancel out, changes it. It guards against accidents and blind
+    writes, not against a writer that crafts its bytes (see docs/security.md)."""
     state = np.zeros(_LANES, np.uint64)
-    summed = src if of_source else dst
     for start in range(0, src.nbytes, COPY_BLOCK):
         end = start + COPY_BLOCK
         np.copyto(dst[start:end], src[start:end])
         state *= _MIX
-        state += _lane_sums(summed[start:end])
+        state += _lane_sums(dst[start:end])
         if each_block is not None:
             each_block(dst[start:end])
+    return int(np.add.reduce(state * _FOLD))
+
+
+def staging_sum(row: Bytes) -> int:
+    """`copy_summed`'s sum of `row`, its whole blocks summed in one numpy call: what a client
+    computes in vLLM's scheduler process, where each call that lets go of the GIL waits out
+    the engine thread's switch interval to take it back (`copy_held`), so per block would
+    cost a wait per 256 KiB."""
+    whole = row.nbytes // COPY_BLOCK * COPY_BLOCK
+    state = np.zeros(_LANES, np.uint64)
+    if whole:
+        blocks = np.add.reduce(row[:whole].view("<u8").reshape(-1, _LANES, COPY_BLOCK // 64), 2)
+        for lanes in blocks:
+            state *= _MIX
+            state += lanes
+    if whole < row.nbytes:
+        state *= _MIX
+        state += _lane_sums(row[whole:])
     return int(np.add.reduce(state * _FOLD))
 
 
