@@ -7,7 +7,8 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +71,27 @@ def run_threads(workers: list[Callable[[], int]], duration: float) -> Throughput
     for t in threads:
         t.join()
     return Throughput(sum(moved), time.perf_counter() - start)
+
+
+@contextmanager
+def python_spinning() -> Iterator[None]:
+    """A thread running Python without a pause for the duration, as vLLM's engine thread
+    does in the scheduler process while a request waits for its KV: a copy there that lets
+    go of the GIL waits out the interpreter's switch interval to take it back."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        turns = 0
+        while not stop.is_set():
+            turns += 1
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def memcpy_rows(

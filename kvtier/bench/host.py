@@ -18,7 +18,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,13 @@ from rich.progress import Progress
 
 from kvtier.api.config import AgentConfig
 from kvtier.api.pool_layout import PAGE
-from kvtier.bench.baseline import memcpy_rows, run_threads, shared_buffer, tmpfs_buffer
+from kvtier.bench.baseline import (
+    memcpy_rows,
+    python_spinning,
+    run_threads,
+    shared_buffer,
+    tmpfs_buffer,
+)
 from kvtier.client.connection import AgentClient
 from kvtier.local.agent import AgentProcess, scratch_config
 from kvtier.shm.pool import Bytes
@@ -38,6 +44,8 @@ if TYPE_CHECKING:
 NS = "bench"
 BATCH_BYTES = 64 << 20  # rows per call: an 8k-token prompt of 256-token chunks at 2 MiB
 KiB, MiB = 1 << 10, 1 << 20
+# Rows copied beside a thread running Python: a chunk of 32 to 128 tokens of a small model.
+BESIDE_PYTHON_ROWS = (128 * KiB, 1 * MiB)
 
 
 @contextmanager
@@ -80,8 +88,16 @@ def _load_worker(
 
 
 def copy_cases(
-    row: int, threads: int, duration: float, rounds: int, directory: Path | None = None
+    row: int,
+    threads: int,
+    duration: float,
+    rounds: int,
+    directory: Path | None = None,
+    beside_python: bool = False,
 ) -> list[dict[str, Any]]:
+    """Store and load against memcpy; `beside_python` runs kvtier's copies beside a thread
+    running Python (the engine thread of vLLM's scheduler process, where the plug-in copies)
+    and the baseline alone, so the ratio says what that thread costs the copies."""
     rows = max(1, BATCH_BYTES // row)
     srcs = [shared_buffer(rows * row) for _ in range(threads)]
     # The store baseline walks as many rows as the pool has slots per thread.
@@ -111,7 +127,8 @@ def copy_cases(
                 raw.append(run_threads(raw_workers, duration).gbps)
                 if op == "store":
                     hashed.append(run_threads(hashed_workers, duration).gbps)
-                kv.append(run_threads(kv_workers, duration).gbps)
+                with python_spinning() if beside_python else nullcontext():
+                    kv.append(run_threads(kv_workers, duration).gbps)
                 wait_sealed(clients[0])
             kv_gbps, raw_gbps = statistics.median(kv), statistics.median(raw)
             case: dict[str, Any] = {
@@ -122,6 +139,7 @@ def copy_cases(
                 "kvtier_gbps": kv_gbps,
                 "memcpy_gbps": raw_gbps,
                 "ratio": kv_gbps / raw_gbps,
+                "beside_python_thread": beside_python,
             }
             if hashed:
                 case["memcpy_checksum_gbps"] = statistics.median(hashed)
@@ -377,11 +395,17 @@ def run(quick: bool) -> dict[str, Any]:
     duration, rounds = (0.25, 2) if quick else (0.6, 3)
     cases: list[dict[str, Any]] = []
     with Progress(transient=True) as progress:
-        task = progress.add_task("host tier vs memcpy", total=len(sizes) * len(thread_counts) + 3)
+        task = progress.add_task(
+            "host tier vs memcpy",
+            total=len(sizes) * len(thread_counts) + len(BESIDE_PYTHON_ROWS) + 3,
+        )
         for row in sizes:
             for threads in thread_counts:
                 cases.extend(copy_cases(row, threads, duration, rounds))
                 progress.advance(task)
+        for row in BESIDE_PYTHON_ROWS:
+            cases.extend(copy_cases(row, 1, duration, rounds, beside_python=True))
+            progress.advance(task)
         lookup = lookup_latency(
             [1024, 32768], {1024: 200 if quick else 1000, 32768: 10 if quick else 40}
         )
@@ -391,11 +415,14 @@ def run(quick: bool) -> dict[str, Any]:
         index = index_footprint_and_rate(1 << 20)
         progress.advance(task)
 
-    def worst(op: str, field: str = "ratio") -> float:
+    def worst(op: str, field: str = "ratio", beside_python: bool = False) -> float:
         return min(
             float(c[field])
             for c in cases
-            if c["op"] == op and c["threads"] == 1 and c["row_bytes"] >= MiB
+            if c["op"] == op
+            and c["threads"] == 1
+            and c["beside_python_thread"] == beside_python
+            and (beside_python or c["row_bytes"] >= MiB)
         )
 
     return {
@@ -406,6 +433,8 @@ def run(quick: bool) -> dict[str, Any]:
         "store_ratio_vs_memcpy": worst("store"),
         "store_ratio_vs_memcpy_checksum": worst("store", "ratio_vs_memcpy_checksum"),
         "load_ratio_vs_memcpy": worst("load"),
+        "store_ratio_beside_python": worst("store", beside_python=True),
+        "load_ratio_beside_python": worst("load", beside_python=True),
         "lookup_p50_us_1k": lookup["1k"]["p50_us"],
         "lookup_p99_us_1k": lookup["1k"]["p99_us"],
         "lookup_p99_us_32k": lookup["32k"]["p99_us"],

@@ -39,7 +39,7 @@ def render_host(result: dict[str, Any], console: Console) -> None:
         table.add_row(
             c["op"],
             format_bytes(c["row_bytes"]),
-            str(c["threads"]),
+            f"{c['threads']}+py" if c.get("beside_python_thread") else str(c["threads"]),
             f"{c['kvtier_gbps']:.2f}",
             f"{c['memcpy_gbps']:.2f}",
             f"{c['ratio']:.2f}",
@@ -58,6 +58,9 @@ def render_host(result: dict[str, Any], console: Console) -> None:
         f"  store ratio vs memcpy:          {r['store_ratio_vs_memcpy']:.2f}\n"
         f"  store ratio vs memcpy+checksum: {r['store_ratio_vs_memcpy_checksum']:.2f}\n"
         f"  load ratio vs memcpy:           {r['load_ratio_vs_memcpy']:.2f}\n"
+        "beside a thread running Python (thr 1+py; vLLM's engine thread), worst row, "
+        "vs memcpy alone:\n"
+        f"  store {r['store_ratio_beside_python']:.2f}, load {r['load_ratio_beside_python']:.2f}\n"
         f"lookup of 1k keys in the client: p99 {r['lookup_p99_us_1k']:.0f} µs, "
         f"{r['lookup_p99_ratio_vs_ipc_rtt']:.2f}x a bare ipc round trip "
         f"(p99 {r['ipc_rtt_p99_us']:.0f} µs)\n"

@@ -56,7 +56,7 @@ from kvtier.client.transport import (
     Transport,
 )
 from kvtier.shm.files import foreign
-from kvtier.shm.pool import Bytes, PoolMap, copy_held, staging_path, staging_sum
+from kvtier.shm.pool import Bytes, PoolMap, copy_held, copy_summed, staging_path
 from kvtier.shm.table import TableReader, digests, index_path
 
 ALIVE_SECONDS = 0.01  # per-key lookups test the agent's liveness at most this often
@@ -509,7 +509,7 @@ class AgentClient:
     def stage(self, grant: Grant, views: Sequence[Bytes], nbytes: int) -> list[int]:
         """Copy rows (one per key of the grant) into their granted staging slots and return
         the staging sums of the rows staged, for `commit`: each made of this client's own
-        row right after it is copied, so bytes another process writes into the slot before the
+        row while it is copied, so bytes another process writes into the slot before the
         agent copies it are caught there. On any failure the lease is aborted."""
         sums: list[int] = []
         try:
@@ -517,8 +517,8 @@ class AgentClient:
                 if slot >= 0:
                     if not self.still_granted(grant, i):
                         raise LeaseLost(f"lease {grant.lease} expired before its copy")
-                    copy_held(self.staging_slot(grant.staging[i], nbytes), view)
-                    sums.append(staging_sum(view))
+                    into = self.staging_slot(grant.staging[i], nbytes)
+                    sums.append(copy_summed(into, view, of_source=True))
         except BaseException:
             self.abort(grant.lease)
             raise

@@ -147,7 +147,7 @@ class Allocate(msgspec.Struct, tag="allocate"):
 
 class Commit(msgspec.Struct, tag="commit"):
     lease: LeaseId
-    # The staging sum (shm/pool.py: staging_sum) of each granted key's row as the client
+    # The staging sum (shm/pool.py: copy_summed) of each granted key's row as the client
     # staged it, in the grant's order: the agent publishes only copies with the same sum.
     # An agent that predates the field ignores it; without it the agent publishes what it
     # finds staged.

@@ -216,44 +216,36 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)  # each block's turn: blocks in another ord
 _FOLD = np.array([(0x9E3779B97F4A7C15 * (2 * i + 1)) % (1 << 64) for i in range(_LANES)], "<u8")
 
 
-def copy_summed(dst: Bytes, src: Bytes, each_block: Callable[[Bytes], object] | None = None) -> int:
-    """Copy `src` into `dst` and return the staging sum of the copy, each block summed
-    right after it is copied, from cache; `each_block` is called with each copied block of
-    `dst` (the agent hashes its copy there). The same sum as `staging_sum(dst)`.
+def copy_summed(
+    dst: Bytes,
+    src: Bytes,
+    of_source: bool = False,
+    each_block: Callable[[Bytes], object] | None = None,
+) -> int:
+    """Copy `src` into `dst` and return the staging sum of one of them (of the source when
+    `of_source`), each block summed right after it is copied, from cache; `each_block` is
+    called with each copied block of `dst` (the agent hashes its copy there).
 
-    A client sums each row it stages from its own row (`staging_sum`), the agent sums its
-    copy in the pool: bytes that changed in the staging slot in between give two different
-    sums. The sum adds the row's 64-bit words (wrapping) by block and by part of a block, at
-    several times memcpy's speed with numpy alone (vLLM's images have no fast hash, and a
-    CRC runs at a fraction of memcpy): any change but one that rearranges words within a
-    part, or one made to cancel out, changes it. It guards against accidents and blind
-    writes, not against a writer that crafts its bytes (see docs/security.md)."""
+    A client sums each row it stages from its own row, the agent sums its copy in the pool:
+    bytes that changed in the staging slot in between give two different sums. The sum adds
+    the row's 64-bit words (wrapping) by block and by part of a block, at several times
+    memcpy's speed with numpy alone (vLLM's images have no fast hash, and a CRC runs at a
+    fraction of memcpy): any change but one that rearranges words within a part, or
+    one made to cancel out, changes it. It guards against accidents and blind writes, not
+    against a writer that crafts its bytes (see docs/security.md).
+
+    Nothing here lets go of the GIL (`copy_held`): the blocks are copied by memoryview, and
+    numpy sums a block's 32k words under the GIL (it lets go only for reductions several
+    times that size), so a client copying in vLLM's scheduler process never waits for it."""
     state = np.zeros(_LANES, np.uint64)
+    summed = src if of_source else dst
     for start in range(0, src.nbytes, COPY_BLOCK):
         end = start + COPY_BLOCK
-        np.copyto(dst[start:end], src[start:end])
+        copy_held(dst[start:end], src[start:end])
         state *= _MIX
-        state += _lane_sums(dst[start:end])
+        state += _lane_sums(summed[start:end])
         if each_block is not None:
             each_block(dst[start:end])
-    return int(np.add.reduce(state * _FOLD))
-
-
-def staging_sum(row: Bytes) -> int:
-    """`copy_summed`'s sum of `row`, its whole blocks summed in one numpy call: what a client
-    computes in vLLM's scheduler process, where each call that lets go of the GIL waits out
-    the engine thread's switch interval to take it back (`copy_held`), so per block would
-    cost a wait per 256 KiB."""
-    whole = row.nbytes // COPY_BLOCK * COPY_BLOCK
-    state = np.zeros(_LANES, np.uint64)
-    if whole:
-        blocks = np.add.reduce(row[:whole].view("<u8").reshape(-1, _LANES, COPY_BLOCK // 64), 2)
-        for lanes in blocks:
-            state *= _MIX
-            state += lanes
-    if whole < row.nbytes:
-        state *= _MIX
-        state += _lane_sums(row[whole:])
     return int(np.add.reduce(state * _FOLD))
 
 
