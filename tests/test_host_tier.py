@@ -15,7 +15,7 @@ from kvtier.agent.host.index import Grant
 from kvtier.agent.host.tier import HostTier
 from kvtier.agent.report.metrics import AgentMetrics
 from kvtier.api.config import HostTierConfig
-from kvtier.shm.pool import copy_summed
+from kvtier.shm.pool import HELD_PIECE, copy_held, copy_summed
 from kvtier.shm.table import digests
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
@@ -139,3 +139,13 @@ def test_the_staging_sum_changes_with_a_byte_a_moved_part_or_blocks_in_another_o
         moved = src.copy()
         moved[a : a + n], moved[b : b + n] = src[b : b + n], src[a : a + n]
         assert copy_summed(np.empty_like(src), moved) != base, (a, b)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, HELD_PIECE - 1, HELD_PIECE, 2 * HELD_PIECE + 7])
+def test_a_copy_under_the_gil_is_whole_in_pieces_and_refuses_another_size(nbytes: int) -> None:
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    copy_held(dst, src)
+    assert np.array_equal(dst, src)
+    with pytest.raises(ValueError):
+        copy_held(np.zeros(nbytes + 1, np.uint8), src)
