@@ -242,9 +242,9 @@ def copy_summed(
     one made to cancel out, changes it. It guards against accidents and blind writes, not
     against a writer that crafts its bytes (see docs/security.md).
 
-    Nothing here lets go of the GIL (`copy_held`): the blocks are copied by memoryview, and
-    numpy sums a block's 32k words under the GIL (it lets go only for reductions several
-    times that size), so a client copying in vLLM's scheduler process never waits for it."""
+    The blocks are copied under the GIL (`copy_held`); numpy's sum of a block lets go of it,
+    so beside a busy engine thread in vLLM's scheduler process a store waits for the GIL
+    once per block (a load, which sums nothing, never does)."""
     state = np.zeros(_LANES, np.uint64)
     summed = src if of_source else dst
     for start in range(0, src.nbytes, COPY_BLOCK):

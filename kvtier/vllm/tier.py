@@ -509,11 +509,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
         try:
             client = self._connected()
             # pool hits straight from the read-only pool (no lease); others via the agent
+            raw = [bytes(k) for k in keys]
             done = client.load_into(
                 self.namespace,
-                [bytes(k) for k in keys],
+                raw,
                 [self._rows[int(chunk)] for chunk in job.chunk_ids],
                 source_of(job.req_context),
+                self._load_digests(raw, self.digests_of(keys)),
             )
         except AgentRefused as exc:
             self._refused("load", exc)
@@ -536,6 +538,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
         # Evicted between lookup and load: keep what arrived, recompute the rest.
         self._record("counter", Metrics.FAILED_JOBS, 1, ("load",))
         self._jobs.finish(JobResult(job.job_id, False, tuple(loaded) or None, seconds, nbytes))
+
+    def _load_digests(self, raw: list[bytes], kept: list[int | None]) -> list[int]:
+        """The index digests of a load's keys: those kept from their lookups, the others
+        digested one by one in plain integers (vectorised, numpy would let go of the GIL
+        and wait to take it back: `AgentClient.load_into`)."""
+        namespace = self.namespace
+        return [digest(namespace, k) if d is None else d for k, d in zip(raw, kept, strict=True)]
 
     def _poll_events(self) -> None:
         """What the agent stored or evicted in this namespace, as vLLM KV events."""

@@ -180,11 +180,11 @@ def break_copies(
     real = tier._client.load_into
     asked: list[list[bytes]] = []
 
-    def load_into(namespace: str, keys: list[bytes], outs: list[Any], source: str = "") -> Any:
+    def load_into(namespace: str, keys: list[bytes], outs: list[Any], *rest: Any) -> Any:
         asked.append(list(keys))
         if gate is not None:
             assert gate.wait(10)
-        done = real(namespace, keys, outs, source)
+        done = real(namespace, keys, outs, *rest)
         return [ok and OffloadKey(k) not in failing for k, ok in zip(keys, done, strict=True)]
 
     monkeypatch.setattr(tier._client, "load_into", load_into)
