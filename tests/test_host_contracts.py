@@ -195,13 +195,13 @@ def test_unleased_load_of_a_slot_given_to_another_chunk_is_not_counted(
     with AgentClient(config.endpoint) as writer, AgentClient(config.endpoint) as reader:
         writer.store(NS, [key(0)], [row(0, ROW)])
         assert reader.index is not None
-        slots, gens = reader.index.find(digests(NS, [key(0)]))
-        assert slots[0] >= 0
+        found = reader.index.find_one(int(digests(NS, [key(0)])[0]))
+        assert found[0] >= 0
         n = writer.stats().host.slots
         others = range(1, n + 1)
         writer.store(NS, [key(i) for i in others], [row(i, ROW) for i in others])
         out = np.zeros(ROW, np.uint8)
-        assert reader._load_unleased(NS, [out], slots.tolist(), gens.tolist()) == [False]
+        assert reader._load_unleased([out], [found]) == [False]
         assert reader.load_into(NS, [key(0)], [out]) == [False]  # evicted: a miss
 
 
