@@ -17,11 +17,30 @@ from kvtier.api.stats import StoreSkips
 from kvtier.client.connection import AgentClient, AgentRefused, AgentUnavailable
 from kvtier.local.agent import AgentProcess
 from kvtier.shm.pool import PoolMap
+from kvtier.shm.table import digests
 from tests.agent_helpers import find_slot, scrape
 from tests.conftest import ROW
 from tests.helpers import NS, hold_leases, key, loaned_chunk, row, store_and_verify, wait_settled
 
 StartAgent = Callable[[AgentConfig], AgentProcess]
+
+
+def test_a_load_given_its_keys_digests_loads_the_same_and_refuses_a_wrong_count(
+    agent: AgentProcess,
+) -> None:
+    """What the plug-in passes from its lookups (`key_digests`) gives what computing them
+    gives; a list of another length is refused before anything is copied."""
+    with AgentClient(agent.config.endpoint) as client:
+        keys = [key(i) for i in range(4)]
+        client.store(NS, keys[:3], [row(i, ROW) for i in range(3)])
+        outs = [np.zeros(ROW, np.uint8) for _ in keys]
+        given = digests(NS, keys).tolist()
+        assert client.load_into(NS, keys, outs, key_digests=given) == [True] * 3 + [False]
+        assert all(np.array_equal(outs[i], row(i, ROW)) for i in range(3))
+        fresh = [np.zeros(ROW, np.uint8) for _ in keys]
+        with pytest.raises(ValueError, match="one index digest per key"):
+            client.load_into(NS, keys, fresh, key_digests=given[:3])
+        assert not any(o.any() for o in fresh)
 
 
 def test_store_lookup_load_roundtrip(agent: AgentProcess) -> None:

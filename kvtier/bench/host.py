@@ -37,6 +37,7 @@ from kvtier.bench.baseline import (
 from kvtier.client.connection import AgentClient
 from kvtier.local.agent import AgentProcess, scratch_config
 from kvtier.shm.pool import Bytes
+from kvtier.shm.table import digests
 
 if TYPE_CHECKING:
     from kvtier.agent.host.index import HostIndex
@@ -80,9 +81,10 @@ def _load_worker(
     views = [dst[r * row : (r + 1) * row] for r in range(rows)]
     keys = [b"k%012d" % (first + r) for r in range(rows)]
     client.store(NS, keys, views)
+    key_digests = digests(NS, keys).tolist()  # as the vLLM plug-in has them from its lookups
 
     def work() -> int:
-        return sum(client.load_into(NS, keys, views)) * row
+        return sum(client.load_into(NS, keys, views, key_digests=key_digests)) * row
 
     return work
 

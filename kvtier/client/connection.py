@@ -103,6 +103,26 @@ def _as_bytes(row: Any) -> Bytes:
     return array.reshape(-1).view(np.uint8)
 
 
+def _intact(pool: PoolMap | None) -> PoolMap:
+    """`pool`, once it is known to back every mapped byte: a copy out of a truncated file
+    would end the process with SIGBUS. Checked once per call, not per row: the check is a
+    system call, which lets go of the GIL (`shm.pool.copy_held`)."""
+    if pool is None:
+        raise AgentUnavailable("not connected: connect() first")
+    if not pool.intact():
+        raise AgentUnavailable(f"pool {pool.path} was truncated under this client")
+    return pool
+
+
+def _slot_view(pool: PoolMap, slot: int, nbytes: int | None) -> Bytes:
+    geometry = pool.geometry
+    if not 0 <= slot < geometry.slot_count:
+        raise ValueError(f"slot {slot} is not a slot of this pool ({geometry.slot_count})")
+    if nbytes is not None and not 0 <= nbytes <= geometry.payload_bytes:
+        raise ValueError(f"{nbytes} bytes do not fit a slot of {geometry.payload_bytes}")
+    return pool.payload(slot, nbytes)
+
+
 def _agents_own(mapped: PoolMap, group_writes: bool) -> PoolMap:
     """`mapped`, checked before anyone uses it: only the agent's own files are, and a file
     another pod of the tier put in their place (or a directory it may change) gives misses,
@@ -425,16 +445,7 @@ class AgentClient:
         return self.staging.geometry.slot_count
 
     def _view(self, pool: PoolMap | None, slot: int, nbytes: int | None) -> Bytes:
-        if pool is None:
-            raise AgentUnavailable("not connected: connect() first")
-        geometry = pool.geometry
-        if not 0 <= slot < geometry.slot_count:
-            raise ValueError(f"slot {slot} is not a slot of this pool ({geometry.slot_count})")
-        if nbytes is not None and not 0 <= nbytes <= geometry.payload_bytes:
-            raise ValueError(f"{nbytes} bytes do not fit a slot of {geometry.payload_bytes}")
-        if not pool.intact():
-            raise AgentUnavailable(f"pool {pool.path} was truncated under this client")
-        return pool.payload(slot, nbytes)
+        return _slot_view(_intact(pool), slot, nbytes)
 
     def still_granted(self, grant: Grant, i: int) -> bool:
         """Whether slot `grant.slots[i]` still holds the chunk it was granted for: checked
@@ -513,11 +524,12 @@ class AgentClient:
         agent copies it are caught there. On any failure the lease is aborted."""
         sums: list[int] = []
         try:
+            staging = _intact(self.staging)
             for i, (view, slot) in enumerate(zip(views, grant.slots, strict=True)):
                 if slot >= 0:
                     if not self.still_granted(grant, i):
                         raise LeaseLost(f"lease {grant.lease} expired before its copy")
-                    into = self.staging_slot(grant.staging[i], nbytes)
+                    into = _slot_view(staging, grant.staging[i], nbytes)
                     sums.append(copy_summed(into, view, of_source=True))
         except BaseException:
             self.abort(grant.lease)
@@ -553,6 +565,8 @@ class AgentClient:
         if index is not None and not source and self.pool is not None:
             if key_digests is None:
                 key_digests = digests(namespace, keys).tolist()
+            elif len(key_digests) != len(keys):
+                raise ValueError("load needs one index digest per key")
             found = [index.find_one(d) for d in key_digests]
             if self.pool_answers(all(slot >= 0 for slot, _ in found)):
                 return self._load_unleased(views, found)
@@ -561,9 +575,10 @@ class AgentClient:
             return [False] * len(keys)
         loaded = [False] * len(keys)
         try:
+            pool = _intact(self.pool)
             for i, (view, slot) in enumerate(zip(views, grant.slots, strict=True)):
                 if slot >= 0:
-                    copy_held(view, self.slot(slot, view.nbytes))
+                    copy_held(view, _slot_view(pool, slot, view.nbytes))
                     loaded[i] = self.still_granted(grant, i)
         finally:
             self.end_load(grant.lease)

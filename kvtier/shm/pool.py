@@ -197,11 +197,11 @@ def open_staging(path: Path, geometry: PoolGeometry, populate: bool) -> PoolMap:
     return PoolMap(path, geometry, populate)
 
 
-HELD_PIECE = 1 << 20  # copied under the GIL at a time: the interpreter switches between
+HELD_PIECE = 1 << 20  # bytes copied under the GIL at a time; threads may switch between pieces
 
 
 def copy_held(dst: Bytes, src: Bytes) -> None:
-    """Copy `src` into `dst` (uint8 views of one size) without letting go of the GIL.
+    """Copy `src` into `dst` (C-contiguous, of one size in bytes) holding the GIL.
 
     numpy lets go of the GIL for a copy of this size and must take it back afterwards. In
     vLLM's scheduler process the engine's thread runs Python without a pause while a request
@@ -213,7 +213,9 @@ def copy_held(dst: Bytes, src: Bytes) -> None:
     engine's thread for longer than its switch interval."""
     if dst.nbytes != src.nbytes:
         raise ValueError(f"cannot copy {src.nbytes} bytes into {dst.nbytes}")
-    into, out_of = dst.data, src.data
+    if not src.nbytes:
+        return
+    into, out_of = dst.data.cast("B"), src.data.cast("B")  # any shape, C-contiguous
     for start in range(0, src.nbytes, HELD_PIECE):
         into[start : start + HELD_PIECE] = out_of[start : start + HELD_PIECE]
 
@@ -229,6 +231,7 @@ def copy_summed(
     src: Bytes,
     of_source: bool = False,
     each_block: Callable[[Bytes], object] | None = None,
+    copy: Callable[[Bytes, Bytes], object] = copy_held,
 ) -> int:
     """Copy `src` into `dst` and return the staging sum of one of them (of the source when
     `of_source`), each block summed right after it is copied, from cache; `each_block` is
@@ -242,14 +245,16 @@ def copy_summed(
     one made to cancel out, changes it. It guards against accidents and blind writes, not
     against a writer that crafts its bytes (see docs/security.md).
 
-    The blocks are copied under the GIL (`copy_held`); numpy's sum of a block lets go of it,
-    so beside a busy engine thread in vLLM's scheduler process a store waits for the GIL
-    once per block (a load, which sums nothing, never does)."""
+    The blocks are copied with `copy`: under the GIL by default (`copy_held`, what a client
+    in vLLM's scheduler process needs); the agent's copiers, which run side by side on its
+    cores, pass numpy's copy, which lets go of it. numpy's sum of a block lets go of the GIL
+    either way, so beside a busy engine thread a client's store may wait for it once per
+    block (a load, which sums nothing, does not)."""
     state = np.zeros(_LANES, np.uint64)
     summed = src if of_source else dst
     for start in range(0, src.nbytes, COPY_BLOCK):
         end = start + COPY_BLOCK
-        copy_held(dst[start:end], src[start:end])
+        copy(dst[start:end], src[start:end])
         state *= _MIX
         state += _lane_sums(summed[start:end])
         if each_block is not None:

@@ -510,12 +510,13 @@ class KVTierSecondaryTier(SecondaryTierManager):
             client = self._connected()
             # pool hits straight from the read-only pool (no lease); others via the agent
             raw = [bytes(k) for k in keys]
+            source = source_of(job.req_context)  # direct mode: the agent asks the source
             done = client.load_into(
                 self.namespace,
                 raw,
                 [self._rows[int(chunk)] for chunk in job.chunk_ids],
-                source_of(job.req_context),
-                self._load_digests(raw, self.digests_of(keys)),
+                source,
+                None if source else self._load_digests(raw, self.digests_of(keys)),
             )
         except AgentRefused as exc:
             self._refused("load", exc)

@@ -57,8 +57,7 @@ def test_the_probe_sees_a_call_that_lets_go_of_the_gil() -> None:
 
 
 def mapped(nbytes: int) -> np.ndarray:
-    """A shared mapping, as vLLM's host buffer and the agent's pool are (numpy lets go of
-    the GIL copying between these where it may not for fresh heap arrays)."""
+    """A shared mapping, as vLLM's host buffer and the agent's pool are."""
     return np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
 
 

@@ -122,7 +122,7 @@ class HostTier:
         if opened.warm:
             self._reindex()
         # Copies of committed chunks into the pool, and checks of chunks a peer received
-        # damaged, spread over the cores (numpy's copies and xxh3 release the GIL).
+        # damaged, spread over the cores (numpy's copies, its sums and xxh3 release the GIL).
         self._copiers = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="kvtier-copy")
         self._store_bytes = metrics.store_bytes.labels(TIER)
         self._load_bytes = metrics.load_bytes.labels(TIER)
@@ -315,6 +315,7 @@ class HostTier:
             self.pool.payload(slot, length),
             self.staging.payload(staged, length),
             each_block=lambda block: digest.update(block.data),
+            copy=np.copyto,  # the copiers run side by side (the agent's threads wait on I/O)
         )
         return digest.intdigest(), summed
 
