@@ -590,10 +590,7 @@ class AgentClient:
         not counted (the agent changes a slot's stamp before it writes any of its bytes, so
         a copy that saw one new byte sees the new stamp after). Only the agent writes the
         pool, so the bytes are the sealed ones. The bytes are reported with the lookups."""
-        pool = self.pool
-        assert pool is not None
-        if not pool.intact():
-            raise AgentUnavailable(f"pool {pool.path} was truncated under this client")
+        pool = _intact(self.pool)
         loaded = [False] * len(views)
         nbytes = 0
         for i, (view, (slot, gen)) in enumerate(zip(views, found, strict=True)):

@@ -315,7 +315,7 @@ class HostTier:
             self.pool.payload(slot, length),
             self.staging.payload(staged, length),
             each_block=lambda block: digest.update(block.data),
-            copy=np.copyto,  # the copiers run side by side (the agent's threads wait on I/O)
+            copy=np.copyto,  # lets go of the GIL: the copiers run side by side
         )
         return digest.intdigest(), summed
 
