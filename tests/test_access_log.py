@@ -145,3 +145,24 @@ def test_logging_a_lookup_is_cheap() -> None:
     for _ in range(100):
         log.record_request("ns", keys, hits)
     assert (time.perf_counter() - began) / 100 < 500e-6  # a keyed digest per key took 1.5 ms
+
+
+def test_digests_logged_as_bytes_read_as_the_same_ids() -> None:
+    """A lookup the agent answers is logged by its index digests, kept as bytes and hashed
+    only when the log is read: the ids are those of the same digests logged as keys, in
+    order, and a request longer than the log keeps its first `max_keys` keys."""
+    import numpy as np
+
+    log = AccessLog(max_keys=6, secret=b"s" * 16)
+    ds = np.array([7, 1 << 63, 7, 42, 5, 6, 9, 11], np.uint64)
+    raw = [int(d).to_bytes(8, "little") for d in ds]
+    assert log.record_digests("ns", ds[:3], [True, False, True])
+    log.record_request("ns", raw[:3], 2, now=1.0)
+    first, second = log.page(0)[0]
+    assert list(first.ids) == list(second.ids) and first.ids[0] == first.ids[2] != first.ids[1]
+    assert first.hits == second.hits == 2
+    assert log.record_digests("ns", ds, [False] * 8)
+    (longest,) = [e for e in log.page(0)[0] if len(e.ids) > 3]
+    assert len(longest.ids) == 6 and list(longest.ids)[:3] == list(first.ids)
+    assert log.stats()["keys"] == 6  # the first two requests were pushed out
+    assert not log.record_digests("ns", ds[:0], [])  # a lookup of no keys is not logged

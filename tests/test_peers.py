@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.agent.tiers.peer.directory import homes
+from kvtier.agent.tiers.peer.directory import by_home, homes
 from kvtier.agent.tiers.peer.wire import write_keys
 from kvtier.api.config import AgentConfig
 from kvtier.client.connection import AgentClient
@@ -108,6 +108,19 @@ def test_rendezvous_homes_move_only_for_changed_members() -> None:
     moved = [k for k in keys if before[k] != after[k]]
     assert all(before[k] == members[-1] for k in moved)
     assert 100 < len(moved) < 320  # about a tenth of the keys
+
+
+@pytest.mark.parametrize("count", [2, 3, 10])
+def test_keys_grouped_by_home_in_order(count: int) -> None:
+    """What a lookup sends each home: every position once, in order, under its key's home;
+    a member homing none of the keys is not asked."""
+    members = [f"tcp://10.0.0.{i}:5557" for i in range(count)]
+    keys = [b"k%d" % i for i in range(1000)]
+    home = homes(keys, members)
+    grouped = by_home(keys, members)
+    assert {m: [i for i in range(len(keys)) if members[home[i]] == m] for m in grouped} == grouped
+    assert sorted(i for positions in grouped.values() for i in positions) == list(range(1000))
+    assert list(by_home(keys[:1], members)) == [members[home[0]]]
 
 
 @pytest.mark.parametrize("data_path", ["nixl", "tcp", "zmq"])

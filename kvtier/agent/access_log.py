@@ -5,8 +5,9 @@ What is kept is the least a replay needs and nothing that reveals a prompt: per 
 arrival time, how many of its chunks the pool held, and its chunk keys as 64-bit ids. The
 agent names a key by its index digest (so lookups it answers and lookups clients answer and
 report name a key alike); the id is the interpreter's keyed hash of that (SipHash with the
-process's random secret: tens of nanoseconds a key on the lookup path), mixed when a page is
-read with a salt per namespace keyed by a secret drawn when the agent starts. Equal keys are
+process's random secret), taken when a page is read, not on the lookup path (a 1k-key
+lookup kept its digests as 8 KiB of bytes, where hashing them there cost it 200 µs), and
+mixed with a salt per namespace keyed by a secret drawn when the agent starts. Equal keys are
 equal ids within one agent's log, namespaces (which name models) stay apart and unnamed, and
 the export renumbers the ids in order of first appearance, as Mooncake's traces do, so what
 leaves the node is only the reuse structure. vLLM's keys are themselves chained hashes of
@@ -35,9 +36,9 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from kvtier.client import protocol as p
 
@@ -48,6 +49,37 @@ DEFAULT_MAX_KEYS = 1 << 20  # about 40 MiB at most
 PAGE_KEYS = 1 << 16  # keys per page of an export (well under the protocol's message bound)
 _SAMPLE_SPACE = 1 << 24
 MAX_NAMESPACES = 4096
+
+
+class DigestIds(Sequence[int]):
+    """A request's keys as recorded by `record_digests`: their 8-byte index digests, kept as
+    bytes, each read as its id (the interpreter's keyed hash of the 8 bytes, the same id
+    `record` gives it) when the log is read."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        self._raw = raw
+
+    def __len__(self) -> int:
+        return len(self._raw) // 8
+
+    def __iter__(self) -> Iterator[int]:
+        raw = self._raw
+        return map(hash, [raw[i : i + 8] for i in range(0, len(raw), 8)])
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return list(self)[i]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("key index out of range")
+        start = 8 * (i % n)
+        return hash(self._raw[start : start + 8])
 
 
 @dataclass(frozen=True)
@@ -125,10 +157,10 @@ class AccessLog:
     def record_digests(self, namespace: str, ds: U64, hits: Sequence[bool]) -> bool:
         """`record_request` for keys named by their index digests, as the agent sees them:
         the ids of the keys after the first are made only for a request the log keeps."""
-        raw = ds.astype("<u8", copy=False).tobytes()
+        raw = ds[: self.max_keys].astype("<u8", copy=False).tobytes()
         if not self.sampled(namespace, raw[:8] or None):
             return False
-        self.record(namespace, [raw[i : i + 8] for i in range(0, len(raw), 8)], hits)
+        self._append(namespace, DigestIds(raw), hits, None)
         return True
 
     def record(
@@ -139,11 +171,14 @@ class AccessLog:
         now: float | None = None,
     ) -> None:
         """Log a request `sampled` kept."""
+        # The interpreter's keyed hash (SipHash) of each key. It never leaves the agent as
+        # such: pages mix in the namespace's salt, and exports renumber.
+        self._append(namespace, tuple(map(hash, keys[: self.max_keys])), hits, now)
+
+    def _append(
+        self, namespace: str, ids: Sequence[int], hits: Sequence[bool] | int, now: float | None
+    ) -> None:
         salt = self._salt(namespace)
-        # The interpreter's keyed hash (SipHash) of each key's 8-byte index digest: about
-        # 27 µs per 1,000 keys on the lookup path. It never leaves the agent as such: pages
-        # mix in the namespace's salt, and exports renumber.
-        ids = tuple(map(hash, keys[: self.max_keys]))  # faster to build than an array
         count = hits if isinstance(hits, int) else sum(hits)
         when = time.time() if now is None else now
         with self._lock:

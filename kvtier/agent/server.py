@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.agent")
 
 Deferred = Callable[[], p.Reply]
+# `Where.MISS` as a plain int: an IntEnum member read in a per-key comprehension costs about
+# 70 ns a read (65 µs of a 1k-key lookup), and the wire carries the int either way.
+MISS = int(Where.MISS)
 MAX_SESSIONS = 4096  # connections that said hello, whose clients are not known gone
 
 
@@ -279,7 +282,7 @@ class Agent:
                 self.access_log.record_digests(namespace, ds, hits)
                 if self.tiers is not None and prefix < len(keys):
                     return lambda: self._lookup_tiers(namespace, keys, hits, source, deadline)
-                return p.LookupReply(hits, prefix, [0 if h else Where.MISS for h in hits])
+                return p.LookupReply(hits, prefix, [0 if h else MISS for h in hits])
             case p.Looked(namespace, reported, sizes, loaded_bytes):
                 host.count_loaded(loaded_bytes)
                 # Lookups a client answered from the published index: the one place where
@@ -318,7 +321,7 @@ class Agent:
                         client, namespace, keys, missing, source, deadline
                     )
                 lease, slots, generations, _ = host.begin_load(client, namespace, keys)
-                where = [0 if s >= 0 else Where.MISS for s in slots]
+                where = [0 if s >= 0 else MISS for s in slots]
                 return p.LeaseReply(lease, slots, where, generations)
             case p.EndLoad(lease):
                 host.end_load(lease, client)
@@ -361,10 +364,10 @@ class Agent:
         missing = [i for i, hit in enumerate(hits) if not hit]
         self._ask_source(source, namespace, [keys[i] for i in missing])
         found = self.tiers.locate(namespace, [keys[i] for i in missing], deadline)
-        where = [0 if hit else Where.MISS for hit in hits]
+        where = [0 if hit else MISS for hit in hits]
         for i, position in zip(missing, found, strict=True):
             where[i] = position
-        all_hits = [w != Where.MISS for w in where]
+        all_hits = [w != MISS for w in where]
         prefix = all_hits.index(False) if False in all_hits else len(keys)
         return p.LookupReply(all_hits, prefix, where)
 
@@ -383,7 +386,7 @@ class Agent:
         promoted = self.tiers.promote(namespace, missing, deadline)
         lease, slots, generations, _ = self.host.begin_load(client, namespace, keys)
         where = [
-            Where.MISS if slot < 0 else promoted.get(key, 0)
+            MISS if slot < 0 else promoted.get(key, 0)
             for key, slot in zip(keys, slots, strict=True)
         ]
         return p.LeaseReply(lease, slots, where, generations)

@@ -28,11 +28,22 @@ def homes(keys: list[bytes], members: list[str]) -> npt.NDArray[np.intp]:
     one with the highest weight(member, key). A weight mixes a 64-bit digest of the key with
     one of the member, so a batch is one digest per key and a few array operations (a
     thousand keys in well under a millisecond), not a hash per key and member."""
-    digests = np.fromiter((xxh3_64_intdigest(k) for k in keys), np.uint64, len(keys))
+    digests = np.fromiter(map(xxh3_64_intdigest, keys), np.uint64, len(keys))
     seeds = np.fromiter((xxh3_64_intdigest(m.encode()) for m in members), np.uint64)
     with np.errstate(over="ignore"):
         weights = _mix(digests[:, None] ^ seeds[None, :])
     return np.asarray(weights.argmax(axis=1))
+
+
+def by_home(keys: list[bytes], members: list[str]) -> dict[str, list[int]]:
+    """Positions in `keys`, in order, grouped by each key's home among `members` (homes
+    without keys left out). Grouped by array operations: a loop over a thousand keys cost
+    100 µs of a lookup."""
+    home_of = homes(keys, members)
+    order = np.argsort(home_of, kind="stable")
+    counts = np.bincount(home_of, minlength=len(members)).tolist()
+    groups = np.split(order, np.cumsum(counts[:-1]))
+    return {members[m]: group.tolist() for m, group in enumerate(groups) if counts[m]}
 
 
 class Directory:

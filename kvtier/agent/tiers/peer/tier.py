@@ -28,7 +28,7 @@ from kvtier.agent.chunk import ChunkHeader
 from kvtier.agent.tiers.base import CorruptChunk, SecondaryTier, TierUsage
 from kvtier.agent.tiers.factory import TierContext
 from kvtier.agent.tiers.peer.connection import Connection, Connections, call_all
-from kvtier.agent.tiers.peer.directory import homes
+from kvtier.agent.tiers.peer.directory import by_home
 from kvtier.agent.tiers.peer.reads import Holders, Reader
 from kvtier.agent.tiers.peer.server import PeerServer
 from kvtier.agent.tiers.peer.wire import Announce, Holds, WhoHas, Withdraw, decode_holders
@@ -141,10 +141,7 @@ class PeerTier(SecondaryTier):
             return {}
         if len(members) == 1:
             return {members[0]: list(range(len(keys)))}
-        by_home: dict[str, list[int]] = {}
-        for i, home in enumerate(homes(keys, members).tolist()):
-            by_home.setdefault(members[home], []).append(i)
-        return by_home
+        return by_home(keys, members)
 
     def _withdraw_evicted(self) -> None:
         """Tell the homes about chunks the pool evicted since last time, so lookups stop
@@ -200,13 +197,14 @@ class PeerTier(SecondaryTier):
         for (indexes, _, _), reply in zip(remote, replies, strict=True):
             holders = decode_holders(reply[0]) if reply else [""] * len(indexes)
             answers.append((indexes, holders))
+        known = self._holders.found
         for indexes, holders in answers:
             for i, holder in zip(indexes, holders, strict=True):
                 if holder and holder != self.me:
                     self._holders.note(namespace, keys[i], holder)
                     found[i] = True
-                else:
-                    self._holders.found.pop((namespace, keys[i]), None)
+                elif known:  # a holder it knew of no longer holds the key
+                    known.pop((namespace, keys[i]), None)
         self._holders.trim()
         return found
 
