@@ -10,14 +10,15 @@ import multiprocessing as mp
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from kvtier.api.config import AgentConfig
-from kvtier.client.connection import AgentClient, AgentUnavailable
+from kvtier.client.connection import ALIVE_SECONDS, AgentClient, AgentUnavailable
 from kvtier.local import wait as polling
 from kvtier.local.agent import AgentProcess
-from kvtier.shm.table import index_path
+from kvtier.shm.table import digests, index_path
 from tests import index_race
 from tests.helpers import NS, key, row, wait_settled
 
@@ -147,3 +148,32 @@ def test_an_idle_client_lets_go_of_a_restarted_agents_index(
     polling.wait_for(lambda: client.index is None, 10, interval=0.05)  # with no call made
     assert old.retired
     client.close()
+
+
+def test_the_index_answers_a_key_alone_only_where_the_agent_has_nothing_to_add(
+    make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
+) -> None:
+    """`find`, the plug-in's per-key question: a held key is held; a key the pool lacks is a
+    miss only when the agent has no secondary tier, else only the agent can say (None);
+    and nothing is answered from the index of an agent that is gone."""
+    fs = {"name": "fs", "filesystem": {"path": str(scratch / "fs"), "capacity": "64Mi"}}
+    for tiers, absent in (([], False), ([fs], None)):
+        config = make_config(
+            {
+                "name": f"find-{len(tiers)}",
+                "runDir": str(scratch / f"run-{len(tiers)}"),
+                "tiers": tiers,
+            },
+            capacity=64 * (NBYTES + 4096) + 4096,
+            chunkBytes=NBYTES,
+        )
+        agent = agent_factory(config)
+        client = AgentClient(config.endpoint, timeout=0.5).connect()
+        client.store(NS, [key(0)], [row(0, NBYTES)])
+        wait_settled(client)
+        held, missing = digests(NS, [key(0), key(1)]).tolist()
+        assert (client.find(held), client.find(missing)) == (True, absent)
+        agent.kill()
+        time.sleep(2 * ALIVE_SECONDS)
+        assert (client.find(held), client.find(missing)) == (None, None)
+        client.close()

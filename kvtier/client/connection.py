@@ -306,11 +306,12 @@ class AgentClient:
         scheduler thread). None when only the agent can say: there is no live index to ask
         (not connected, the agent gone or restarted), or the index does not answer alone
         (`pool_answers`). Not reported: see `reports`."""
-        index = self.index
-        if self.hello is None or index is None or not index.usable_within(ALIVE_SECONDS):
+        index, hello = self.index, self.hello
+        if hello is None or index is None or not index.usable_within(ALIVE_SECONDS):
             return None
-        held = index.holds(key_digest)
-        return held if self.pool_answers(held) else None
+        if index.holds(key_digest):
+            return True
+        return None if hello.tiers else False  # `pool_answers`, inlined
 
     def _report_tick(self) -> None:
         """On the reporting thread: send what waits; an idle engine too lets go of a
