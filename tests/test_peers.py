@@ -77,6 +77,54 @@ def test_chunks_stored_on_one_node_are_loaded_on_another(
         assert time.monotonic() - started < 10
 
 
+@pytest.mark.parametrize(
+    ("budget", "timeout", "rest_answered"),
+    [(1.5, 0.5, True), (0.3, 1.0, False)],
+    ids=["home-asked-on-the-request-thread", "home-asked-on-the-io-pool"],
+)
+def test_a_lookup_whose_keys_home_on_a_frozen_agent_answers_within_its_budget(
+    make_config: Callable[..., AgentConfig],
+    agent_factory: StartAgent,
+    scratch: Path,
+    budget: float,
+    timeout: float,
+    rest_answered: bool,
+) -> None:
+    """A lookup asks the keys' homes on its own thread where the peer timeout ends within
+    the lookup's budget, else on the I/O pool, waiting no longer than the budget. Either
+    way, with the other agent frozen (a partition, its process stopped), a lookup returns
+    within its budget, every key homed on the frozen agent a miss; asked on its own thread,
+    the keys homed here are still answered (their holder known). After the thaw every key
+    is found again."""
+    a = agent_factory(node_config(make_config, scratch, "node-a", None, timeoutSeconds=timeout))
+    b_config = node_config(make_config, scratch, "node-b", None, timeoutSeconds=timeout)
+    b_config = b_config.model_copy(update={"tier_budget_seconds": budget})
+    agent_factory(b_config)
+    wait_for(lambda: len(list((scratch / "registry").glob("*.json"))) == 2)
+    ids = list(range(24))
+    keys = [key(i) for i in ids]
+    with AgentClient(b_config.endpoint) as consumer:
+        shared_between(a.config.endpoint, consumer, ids)
+        (frozen,) = consumer.stats().peers
+        records = (scratch / "registry").glob("*.json")
+        members = sorted(json.loads(r.read_text())["endpoint"] for r in records)
+        home_of = [members[h] for h in homes(keys, members).tolist()]
+        there = [home == frozen for home in home_of]
+        assert 0 < sum(there) < len(ids)
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            found = consumer.lookup(NS, keys)
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        assert elapsed < budget + 0.5
+        assert all(w == -1 for w, far in zip(found.where, there, strict=True) if far)
+        if rest_answered:
+            assert [w == -1 for w in found.where] == there
+        wait_for(lambda: consumer.lookup(NS, keys).prefix == len(ids))
+
+
 def test_an_agent_that_advertises_another_name_still_listens_on_its_bind(
     make_config: Callable[..., AgentConfig], agent_factory: StartAgent, scratch: Path
 ) -> None:

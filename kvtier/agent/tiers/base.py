@@ -100,6 +100,9 @@ class SecondaryTier(ABC):
         """Read a chunk's payload into `out` and verify it; None when absent."""
 
     reads_in_batches = False  # whether read_many beats one read_into per key in parallel
+    # Seconds within which `exists` always returns, where it bounds itself (a call over the
+    # network with a timeout of its own); None for a call that may block longer.
+    exists_seconds: float | None = None
 
     def read_many(
         self, namespace: str, keys: list[bytes], outs: list[memoryview]

@@ -145,12 +145,15 @@ class Connection:
 
 
 def call_all(
-    calls: list[tuple[Connection, msgspec.Struct]], timeout: float
+    calls: list[tuple[Connection, msgspec.Struct]],
+    timeout: float,
+    meanwhile: Callable[[], object] | None = None,
 ) -> list[list[memoryview] | None]:
-    """Requests to several peers at once: all sent, then the replies taken as they come, so
+    """Requests to several peers at once: all sent, then `meanwhile` run (work of the
+    caller's own, done while the requests are out), then the replies taken as they come, so
     a lookup whose keys have many homes waits about one round trip, not one per home. Each
     reply as `Connection.call` gives it; None for a peer that did not answer in time."""
-    if len(calls) == 1:
+    if len(calls) == 1 and meanwhile is None:
         connection, message = calls[0]
         return [connection.call(message)]
     ordered = sorted({id(c): c for c, _ in calls}.values(), key=id)  # one lock order for all
@@ -165,8 +168,10 @@ def call_all(
             sock.send_multipart([rid, encode(message)])
             sent[sock] = (i, rid)
             poller.register(sock, zmq.POLLIN)
-        results: list[list[memoryview] | None] = [None] * len(calls)
         deadline = time.monotonic() + timeout
+        if meanwhile is not None:
+            meanwhile()
+        results: list[list[memoryview] | None] = [None] * len(calls)
         waiting = len(calls)
         while waiting and (left := deadline - time.monotonic()) > 0:
             for sock, _ in poller.poll(int(left * 1000) + 1):

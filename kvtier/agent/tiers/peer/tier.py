@@ -47,6 +47,7 @@ class PeerTier(SecondaryTier):
         tier's membership, which this side uses too."""
         super().__init__(name)
         self.config = config
+        self.exists_seconds = config.timeout_seconds  # each home's call has this timeout
         self.server = server
         self.me = server.endpoint
         self.membership = server.membership
@@ -183,17 +184,24 @@ class PeerTier(SecondaryTier):
         asked = [i for i, known in enumerate(found) if not known]
         answers: list[tuple[list[int], list[str]]] = []
         remote: list[tuple[list[int], Connection, WhoHas]] = []
+        local: list[int] = []
         for home, positions in self._by_home([keys[i] for i in asked]).items():
             indexes = [asked[j] for j in positions]
-            batch = [keys[i] for i in indexes]
             if home == self.me:
-                holders = self.server.directory.holders(
-                    namespace, batch, self.membership.member_set
-                )
-                answers.append((indexes, holders))
+                local = indexes
             else:
+                batch = [keys[i] for i in indexes]
                 remote.append((indexes, self._connections.to(home), WhoHas(namespace, batch)))
-        replies = call_all([(c, m) for _, c, m in remote], self.config.timeout_seconds)
+
+        def here() -> None:  # the keys homed here, while the other homes are asked
+            if local:
+                batch = [keys[i] for i in local]
+                members = self.membership.member_set
+                answers.append((local, self.server.directory.holders(namespace, batch, members)))
+
+        replies = call_all(
+            [(c, m) for _, c, m in remote], self.config.timeout_seconds, meanwhile=here
+        )
         for (indexes, _, _), reply in zip(remote, replies, strict=True):
             holders = decode_holders(reply[0]) if reply else [""] * len(indexes)
             answers.append((indexes, holders))
