@@ -180,13 +180,20 @@ class PeerTier(SecondaryTier):
         """Keys a direct-mode source holds, then the homes asked for the others (always: a
         holder that evicted a chunk has withdrawn it there)."""
         direct = self._holders.direct
-        found = [(namespace, key) in direct for key in keys] if direct else [False] * len(keys)
-        asked = [i for i, known in enumerate(found) if not known]
+        if direct:
+            found = [(namespace, key) in direct for key in keys]
+            asked = [i for i, known in enumerate(found) if not known]
+            groups = {
+                home: [asked[j] for j in positions]
+                for home, positions in self._by_home([keys[i] for i in asked]).items()
+            }
+        else:  # the usual case: no direct-mode source named, every key asked of its home
+            found = [False] * len(keys)
+            groups = self._by_home(keys)
         answers: list[tuple[list[int], list[str]]] = []
         remote: list[tuple[list[int], Connection, WhoHas]] = []
         local: list[int] = []
-        for home, positions in self._by_home([keys[i] for i in asked]).items():
-            indexes = [asked[j] for j in positions]
+        for home, indexes in groups.items():
             if home == self.me:
                 local = indexes
             else:
