@@ -98,6 +98,8 @@ def per_message_type(
     yield Hostile(b"\xc1\xff\x00garbage", what="not msgpack")
     yield Hostile(msgspec.msgpack.encode([1, 2, 3]), what="not a map")
     yield Hostile(_msg("lookup", namespace=ns, keys=[key])[:-3], what="truncated")
+    for sent in (b"\0" * 7, b"\0" * 16, "abcdefgh", [1]):  # one 8-byte digest a key, or none
+        yield Hostile(_msg("lookup", namespace=ns, keys=[key], digests=sent), what="digests")
 
 
 # Values each field must refuse.

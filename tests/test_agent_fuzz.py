@@ -18,6 +18,7 @@ from kvtier.client import protocol as p
 from kvtier.client.connection import AgentClient
 from kvtier.client.liveness import ClientLock
 from kvtier.local.agent import AgentProcess
+from kvtier.shm.table import digests
 from tests.agent_fuzz import per_message_type, random_hostile, rid, snapshot
 from tests.agent_helpers import scrape
 from tests.conftest import ROW
@@ -117,6 +118,24 @@ def test_every_refused_request_leaves_the_agent_as_it_was(
         victim.commit(foreign[0])  # the victim's own leases still work
         victim.end_load(foreign[1])
         assert victim.lookup(NS, [key(100)]).hits == [True]
+
+
+def test_a_lookup_whose_digests_are_not_its_keys_finds_nothing(
+    agent: AgentProcess, session: RawSession
+) -> None:
+    """A lookup may carry its keys' index digests (the client has them from its own look
+    in the published index): with the right ones it finds the chunks, with another key's
+    (swapped, or of keys stored nowhere) nothing, as the index confirms candidates by key."""
+    keys = [key(i) for i in range(4)]
+    with AgentClient(agent.config.endpoint) as client:
+        client.store(NS, keys, [row(i, ROW) for i in range(4)])
+        wait_settled(client)
+    right = digests(NS, keys).tobytes()
+    reply = session.ask(p.encode(p.Lookup(NS, keys, "", right)))
+    assert isinstance(reply, p.LookupReply) and reply.hits == [True] * 4
+    for wrong in (digests(NS, keys[::-1]), digests(NS, [key(i) for i in range(10, 14)])):
+        reply = session.ask(p.encode(p.Lookup(NS, keys, "", wrong.tobytes())))
+        assert isinstance(reply, p.LookupReply) and reply.hits == [False] * 4
 
 
 class _HelloV1(msgspec.Struct, tag="hello"):

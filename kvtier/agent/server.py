@@ -275,8 +275,8 @@ class Agent:
         client = self._client(identity)
         deadline = now + self.config.tier_budget_seconds
         match request:
-            case p.Lookup(namespace, keys, source):
-                ds = digests(namespace, keys)
+            case p.Lookup(namespace, keys, source, sent):
+                ds = np.frombuffer(sent, "<u8") if sent else digests(namespace, keys)
                 hits, prefix = host.lookup(namespace, keys, ds)
                 # logged by digest, as lookups clients answer are reported (Looked)
                 self.access_log.record_digests(namespace, ds, hits)

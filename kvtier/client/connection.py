@@ -286,6 +286,7 @@ class AgentClient:
         (`shm.table.digests`), where the caller has them already."""
         keys = list(keys)
         index = self._live_index()
+        sent = b""
         if index is not None and not source and keys:
             ds = digests(namespace, keys) if key_digests is None else key_digests
             if len(ds) != len(keys):
@@ -297,7 +298,8 @@ class AgentClient:
                 self.reports.request(namespace, ds)
                 prefix = len(keys) if all_held else int(held.argmin())
                 return LookupResult(held.tolist(), prefix, np.where(held, 0, -1).tolist())
-        reply = self._call(p.Lookup(namespace, keys, source), p.LookupReply)
+            sent = ds.astype("<u8", copy=False).tobytes()
+        reply = self._call(p.Lookup(namespace, keys, source, sent), p.LookupReply)
         return LookupResult(reply.hits, reply.prefix, reply.where)
 
     def find(self, key_digest: int) -> bool | None:

@@ -110,11 +110,15 @@ class Hello(msgspec.Struct, tag="hello"):
 
 class Lookup(msgspec.Struct, tag="lookup"):
     """`source`, when set, is the peer endpoint of the agent known to hold the chunks (the
-    prefill side in prefill/decode disaggregation): it is asked directly."""
+    prefill side in prefill/decode disaggregation): it is asked directly. `digests`, where
+    the client has them from its own look in the published index: the keys' index digests
+    (u64 little-endian, one per key), so the agent does not compute them again. A digest
+    that is not its key's finds nothing: the index confirms every candidate by its key."""
 
     namespace: Namespace
     keys: Keys
     source: Source = ""
+    digests: bytes = b""
 
 
 class Looked(msgspec.Struct, tag="looked"):
@@ -303,6 +307,12 @@ def check(request: Request) -> None:
         raise ValueError(f"namespace is longer than {MAX_NAMESPACE_BYTES} bytes")
     if isinstance(request, Looked) and 8 * sum(request.sizes) != len(request.digests):
         raise ValueError("a Looked report's sizes do not add up to its digests")
+    if (
+        isinstance(request, Lookup)
+        and request.digests
+        and 8 * len(request.keys) != len(request.digests)
+    ):
+        raise ValueError("a Lookup's digests must be 8 bytes a key, or none")
 
 
 Reply = (
