@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from itertools import compress
+from operator import not_
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -361,12 +363,16 @@ class Agent:
         self, namespace: str, keys: list[bytes], hits: list[bool], source: str, deadline: float
     ) -> p.Reply:
         assert self.tiers is not None
-        missing = [i for i, hit in enumerate(hits) if not hit]
-        self._ask_source(source, namespace, [keys[i] for i in missing])
-        found = self.tiers.locate(namespace, [keys[i] for i in missing], deadline)
-        where = [0 if hit else MISS for hit in hits]
-        for i, position in zip(missing, found, strict=True):
-            where[i] = position
+        # usually the pool holds none of them: every key is asked, in order
+        missing = list(compress(range(len(keys)), map(not_, hits))) if any(hits) else None
+        asked = keys if missing is None else [keys[i] for i in missing]
+        self._ask_source(source, namespace, asked)
+        found = self.tiers.locate(namespace, asked, deadline)
+        where = found
+        if missing is not None:
+            where = [0 if hit else MISS for hit in hits]
+            for i, position in zip(missing, found, strict=True):
+                where[i] = position
         all_hits = [w != MISS for w in where]
         prefix = all_hits.index(False) if False in all_hits else len(keys)
         return p.LookupReply(all_hits, prefix, where)
