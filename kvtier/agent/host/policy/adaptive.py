@@ -46,11 +46,18 @@ class KeyedLRUPolicy(ARCPolicy):
             self.t1.move_to_end(chunk)
 
     def on_insert(self, chunk: ChunkId) -> None:
-        self.b1.clear()
-        self.b2.clear()
-        self.p = float(self.capacity)
-        super().on_insert(chunk)
-        self.b1.clear()
+        t1 = self.t1
+        if chunk in t1:
+            return
+        parent = self._announced.pop(chunk, None)
+        if parent is not None:
+            held = parent in t1
+            if held or parent in self._batch:
+                self._parent[chunk] = parent
+                self._kids[parent] = self._kids.get(parent, 0) + 1
+            if held:
+                t1.move_to_end(parent)
+        t1[chunk] = None
 
     def on_evicted(self, chunk: ChunkId) -> None:
         self.on_remove(chunk)
@@ -58,10 +65,15 @@ class KeyedLRUPolicy(ARCPolicy):
     def evict(
         self, evictable: Callable[[ChunkId], bool], incoming: ChunkId | None = None
     ) -> ChunkId | None:
-        self.p = 0.0
-        victim = super().evict(evictable, None)
-        self.b1.clear()
-        return victim
+        t1, kids = self.t1, self._kids
+        for leaves in (True, False):
+            for chunk in t1:
+                if (not leaves or chunk not in kids) and evictable(chunk):
+                    del t1[chunk]
+                    self.forced += not leaves
+                    self._leave(chunk)
+                    return chunk
+        return None
 
 
 class _Shadow:
@@ -70,25 +82,40 @@ class _Shadow:
         self.resident: set[ChunkId] = set()
         self.score = 0.0
 
-    def access(self, chunk: ChunkId, parent: ChunkId | None, decay: float, alive: bool) -> bool:
-        """One sampled access; whether it hit (counted only while the request's sampled
-        prefix is alive)."""
-        self.score *= decay
-        policy = self.policy
-        if chunk in self.resident:
-            policy.on_hits((chunk,))
-            if alive:
-                self.score += 1.0
-            return True
-        policy.on_parents(((chunk, parent),))
-        if len(self.resident) >= policy.capacity:
-            victim = policy.evict(_always, chunk)
-            if victim is None:
-                return False
-            self.resident.discard(victim)
-        self.resident.add(chunk)
-        policy.on_inserts((chunk,))
-        return False
+    def accesses(
+        self, chunks: Sequence[ChunkId], last: ChunkId | None, decay: float, alive: bool
+    ) -> bool:
+        """A request's sampled accesses in order, `last` the sampled chunk before them;
+        hits count only while the request's sampled prefix is alive. Whether it still is.
+        Shadows are independent of each other, so each takes a request's accesses at once."""
+        policy, resident = self.policy, self.resident
+        on_hit, on_parents, on_insert, evict = (
+            policy.on_hit,
+            policy.on_parents,
+            policy.on_insert,
+            policy.evict,
+        )
+        capacity, score = policy.capacity, self.score
+        for chunk in chunks:
+            score *= decay
+            if chunk in resident:
+                on_hit(chunk)
+                if alive:
+                    score += 1.0
+            else:
+                alive = False
+                on_parents(((chunk, last),))
+                if len(resident) >= capacity:
+                    victim = evict(_always, chunk)
+                    if victim is None:
+                        last = chunk
+                        continue
+                    resident.discard(victim)
+                resident.add(chunk)
+                on_insert(chunk)
+            last = chunk
+        self.score = score
+        return alive
 
 
 def _always(_chunk: ChunkId) -> bool:
@@ -116,7 +143,6 @@ class AdaptivePolicy(EvictionPolicy):
         self.switches = 0
         self._last: ChunkId | None = None  # the request's last sampled chunk
         self._alive = [True] * len(self.shadows)
-        self._parents: dict[ChunkId, ChunkId] = {}
 
     def _sampled(self, chunk: ChunkId) -> bool:
         # Fibonacci hashing: Python hashes small ints to themselves, and a slice of the key
@@ -127,13 +153,13 @@ class AdaptivePolicy(EvictionPolicy):
         if fresh:
             self._last = None
             self._alive = [True] * len(self.shadows)
-        for chunk in chunks:
-            if not self._sampled(chunk):
-                continue
+        if self.rate < 1.0:
+            chunks = [c for c in chunks if self._sampled(c)]
+        if chunks:
+            last, decay, alive = self._last, self._decay, self._alive
             for i, shadow in enumerate(self.shadows):
-                hit = shadow.access(chunk, self._last, self._decay, self._alive[i])
-                self._alive[i] = self._alive[i] and hit
-            self._last = chunk
+                alive[i] = shadow.accesses(chunks, last, decay, alive[i])
+            self._last = chunks[-1]
         best = max(range(len(self.shadows)), key=lambda i: self.shadows[i].score)
         if best != self.leader and (
             self.shadows[best].score > MARGIN * self.shadows[self.leader].score

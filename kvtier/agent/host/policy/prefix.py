@@ -198,9 +198,9 @@ class PrefixPolicy(EvictionPolicy):
             victim = found[0]
             if admitting:
                 # the incoming chunk as a new member of its class (age 0) against its victim
-                worth = self._density[self._incoming_class(incoming)][0]
-                if worth < self._density_of(victim):
-                    self._refuse(incoming)
+                cls = self._incoming_class(incoming)
+                if self._density[cls][0] < self._density_of(victim):
+                    self._refuse(incoming, cls)
                     return None
         self._forget(victim, remember=True)  # its heap entry is superseded now
         return victim
@@ -329,8 +329,7 @@ class PrefixPolicy(EvictionPolicy):
         pinned: list[tuple[int, _Entry]] = []
         found: tuple[ChunkId, float] | None = None
         while True:
-            best = -1
-            best_key = (0.0, 0)
+            best, best_density, best_last = -1, 0.0, 0  # least (density, last access)
             for cls in range(CLASSES):
                 top = tops[cls]
                 if top is None:
@@ -346,16 +345,20 @@ class PrefixPolicy(EvictionPolicy):
                     if top is None:
                         continue
                 last = top[0]
-                key = (rows[cls][(now - last).bit_length()], last)
-                if best < 0 or key < best_key:
-                    best, best_key = cls, key
+                density = rows[cls][(now - last).bit_length()]
+                if (
+                    best < 0
+                    or density < best_density
+                    or (density == best_density and last < best_last)
+                ):
+                    best, best_density, best_last = cls, density, last
             if best < 0:
                 break
             winner = tops[best]
             assert winner is not None
             chunk = winner[1]
             if evictable(chunk):
-                found = (chunk, best_key[0])
+                found = (chunk, best_density)
                 break
             pinned.append((best, heapq.heappop(heaps[best])))
             tops[best] = None
@@ -364,15 +367,19 @@ class PrefixPolicy(EvictionPolicy):
             tops[cls] = None
         return found
 
-    def _refuse(self, incoming: ChunkId | None) -> None:
-        """Turn a store away. It was an access all the same: counted, and remembered, so
-        the chunk comes back a class higher if it is asked for again."""
+    def _refuse(self, incoming: ChunkId | None, cls: int | None = None) -> None:
+        """Turn a store away (`cls`: its class as an incoming chunk, where known). It was
+        an access all the same: counted, and remembered, so the chunk comes back a class
+        higher if it is asked for again."""
         self.refused += 1
-        self._refused[incoming] = None
-        if len(self._refused) > REFUSED_MAX:
-            self._refused.popitem(last=False)
-        cls = self._incoming_class(incoming)
-        before = self._history.pop(incoming, None)
+        refused = self._refused
+        refused[incoming] = None
+        if len(refused) > REFUSED_MAX:
+            refused.popitem(last=False)
+        if cls is None:
+            cls = self._incoming_class(incoming)
+        history = self._history
+        before = history.pop(incoming, None)
         now = self.now = self.now + 1
         if before is None:
             uses, pace = 1, cls % PACES
@@ -382,9 +389,9 @@ class PrefixPolicy(EvictionPolicy):
             self._gaps[was][gap.bit_length()] += 1
             uses, pace = uses + 1, _pace(gap)
         self._entered[cls] += 1
-        self._history[incoming] = (now, uses, cls, pace)
-        if len(self._history) > self._history_size:
-            self._history.popitem(last=False)
+        history[incoming] = (now, uses, cls, pace)
+        if len(history) > self._history_size:
+            history.popitem(last=False)
 
     def _forget(self, chunk: ChunkId, remember: bool) -> None:
         held = self._state.pop(chunk)
