@@ -99,30 +99,32 @@ class ARCPolicy(EvictionPolicy):
 
     def on_insert(self, chunk: ChunkId) -> None:
         c = self.capacity
-        if chunk not in self.t1 and chunk not in self.t2:
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        new = chunk not in t1 and chunk not in t2
+        if new:
             parent = self._announced.pop(chunk, None)
             if parent is not None:
-                held = self.t1 if parent in self.t1 else self.t2 if parent in self.t2 else None
+                held = t1 if parent in t1 else t2 if parent in t2 else None
                 if held is not None or parent in self._batch:
                     self._parent[chunk] = parent
                     self._kids[parent] = self._kids.get(parent, 0) + 1
                 if held is not None:
                     held.move_to_end(parent)
-        if chunk in self.b1 or chunk in self.b2:
+        if chunk in b1 or chunk in b2:
             if chunk in self._adapted:
                 self._adapted.discard(chunk)
             else:
                 self._adapt(chunk)
-            self.b1.pop(chunk, None)
-            self.b2.pop(chunk, None)
-            self.t2[chunk] = None
-        elif chunk not in self.t1 and chunk not in self.t2:
-            self.t1[chunk] = None
+            b1.pop(chunk, None)
+            b2.pop(chunk, None)
+            t2[chunk] = None
+        elif new:
+            t1[chunk] = None
         # Directory bounds of the paper: |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c.
-        while self.b1 and len(self.t1) + len(self.b1) > c:
-            self._adapted.discard(self.b1.popitem(last=False)[0])
-        while self.b2 and len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c:
-            self._adapted.discard(self.b2.popitem(last=False)[0])
+        while b1 and len(t1) + len(b1) > c:
+            self._adapted.discard(b1.popitem(last=False)[0])
+        while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
+            self._adapted.discard(b2.popitem(last=False)[0])
 
     def on_remove(self, chunk: ChunkId) -> None:
         if chunk in self.t1 or chunk in self.t2:
