@@ -33,6 +33,8 @@ from kvtier.agent.host.policy.prefix import PrefixPolicy
 SHADOW_CHUNKS = 4096
 MARGIN = 1.003
 DECAY_POOLS = 12
+_FIB = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
 
 
 class KeyedLRUPolicy(ARCPolicy):
@@ -144,17 +146,15 @@ class AdaptivePolicy(EvictionPolicy):
         self._last: ChunkId | None = None  # the request's last sampled chunk
         self._alive = [True] * len(self.shadows)
 
-    def _sampled(self, chunk: ChunkId) -> bool:
-        # Fibonacci hashing: Python hashes small ints to themselves, and a slice of the key
-        # space must be a random one whatever the ids look like.
-        return ((hash(chunk) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) >> 32 < self._threshold
-
     def _observe(self, chunks: Sequence[ChunkId], fresh: bool) -> None:
         if fresh:
             self._last = None
             self._alive = [True] * len(self.shadows)
         if self.rate < 1.0:
-            chunks = [c for c in chunks if self._sampled(c)]
+            # Fibonacci hashing: Python hashes small ints to themselves, and a slice of the
+            # key space must be a random one whatever the ids look like.
+            below = self._threshold
+            chunks = [c for c in chunks if ((hash(c) * _FIB) & _MASK) >> 32 < below]
         if chunks:
             last, decay, alive = self._last, self._decay, self._alive
             for i, shadow in enumerate(self.shadows):

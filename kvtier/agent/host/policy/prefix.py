@@ -51,6 +51,7 @@ without a parent is a root.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -98,6 +99,7 @@ class PrefixPolicy(EvictionPolicy):
         self._history_size = max(16 * capacity, HISTORY_MIN)
         self._refused: OrderedDict[ChunkId, None] = OrderedDict()
         self._heaps: list[list[_Entry]] = [[] for _ in range(CLASSES)]  # oldest on top
+        self._live: list[int] = []  # the classes whose heaps hold entries, in order
         self._seq = 0
         # What the densities are learnt from, per class: accesses that entered it, and reuse
         # gaps by age bucket.
@@ -253,7 +255,10 @@ class PrefixPolicy(EvictionPolicy):
     def _push(self, cls: int, chunk: ChunkId, last: int) -> None:
         self._seq += 1
         entry = (last, self._seq, chunk)
-        heapq.heappush(self._heaps[cls], entry)
+        heap = self._heaps[cls]
+        if not heap:
+            bisect.insort(self._live, cls)
+        heapq.heappush(heap, entry)
         self._top[cls] = None
         if not self._seq % 1024 and sum(map(len, self._heaps)) > 3 * len(self._state) + 64:
             self._compact()
@@ -268,6 +273,7 @@ class PrefixPolicy(EvictionPolicy):
         for heap in heaps:
             heap.sort()
         self._heaps = heaps
+        self._live = [cls for cls in range(CLASSES) if heaps[cls]]
         self._top = [None] * CLASSES
 
     @staticmethod
@@ -328,9 +334,10 @@ class PrefixPolicy(EvictionPolicy):
         heaps, tops, rows = self._heaps, self._top, self._order
         pinned: list[tuple[int, _Entry]] = []
         found: tuple[ChunkId, float] | None = None
+        emptied = False
         while True:
             best, best_density, best_last = -1, 0.0, 0  # least (density, last access)
-            for cls in range(CLASSES):
+            for cls in self._live:
                 top = tops[cls]
                 if top is None:
                     heap = heaps[cls]
@@ -343,6 +350,7 @@ class PrefixPolicy(EvictionPolicy):
                         top = tops[cls] = (last, chunk)
                         break
                     if top is None:
+                        emptied = True
                         continue
                 last = top[0]
                 density = rows[cls][(now - last).bit_length()]
@@ -365,6 +373,8 @@ class PrefixPolicy(EvictionPolicy):
         for cls, item in pinned:
             heapq.heappush(heaps[cls], item)
             tops[cls] = None
+        if emptied:
+            self._live = [cls for cls in self._live if heaps[cls]]
         return found
 
     def _refuse(self, incoming: ChunkId | None, cls: int | None = None) -> None:
@@ -376,10 +386,15 @@ class PrefixPolicy(EvictionPolicy):
         refused[incoming] = None
         if len(refused) > REFUSED_MAX:
             refused.popitem(last=False)
-        if cls is None:
-            cls = self._incoming_class(incoming)
         history = self._history
         before = history.pop(incoming, None)
+        if cls is None:
+            if before is None:
+                cls = self._incoming_class(incoming)
+            else:  # `_incoming_class` of a remembered chunk
+                cls = _class(
+                    before[1] + 1, _pace(self.now + 1 - before[0]) if before[0] >= 0 else 0
+                )
         now = self.now = self.now + 1
         if before is None:
             uses, pace = 1, cls % PACES
