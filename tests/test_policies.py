@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -10,6 +12,8 @@ from hypothesis import strategies as st
 from kvtier.agent.host.index import HostIndex
 from kvtier.agent.host.policy import POLICIES, ARCPolicy, LRUPolicy, make_policy
 from kvtier.api.stats import PolicyStats
+
+DATA = Path(__file__).parent / "data"
 
 
 def always(_chunk: object) -> bool:
@@ -214,3 +218,22 @@ def test_arc_links_a_chain_stored_at_once() -> None:
     policy.p = 3.0  # prefer evicting from T2: its least recent chunk is b, not a leaf
     assert policy.evict(lambda _chunk: True) == "c"
     assert policy.evict(lambda _chunk: True) == "b"
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "prefix"])
+def test_adaptive_with_one_candidate_chooses_as_that_policy_alone(name: str) -> None:
+    """Its members are the policies themselves (`lru` by key, beside policies of keys):
+    followed alone, one gives the same hits, evictions and refusals as that policy."""
+    from kvtier.agent.host.policy import AdaptivePolicy
+    from kvtier.traces.replay import load_trace, replay_direct
+
+    trace = load_trace(DATA / "mooncake_conversation_3000.jsonl.gz", limit=1500)
+    for blocks in (64, 700):
+        alone = replay_direct(trace, name, blocks)
+        followed = replay_direct(trace, AdaptivePolicy(blocks, (name,)), blocks)
+        assert followed.evictions > 0
+        assert (followed.hit_tokens, followed.evictions, followed.rejected) == (
+            alone.hit_tokens,
+            alone.evictions,
+            alone.rejected,
+        )
