@@ -200,7 +200,7 @@ class PrefixPolicy(EvictionPolicy):
             victim = found[0]
             if admitting:
                 # the incoming chunk as a new member of its class (age 0) against its victim
-                cls = self._incoming_class(incoming)
+                cls = self._incoming_class(incoming, self._history.get(incoming))
                 if self._density[cls][0] < self._density_of(victim):
                     self._refuse(incoming, cls)
                     return None
@@ -222,8 +222,9 @@ class PrefixPolicy(EvictionPolicy):
 
     # --- internals -----------------------------------------------------------------------
 
-    def _incoming_class(self, incoming: ChunkId | None) -> int:
-        before = self._history.get(incoming)
+    def _incoming_class(self, incoming: ChunkId | None, before: _State | None) -> int:
+        """The class `incoming` would enter as a new chunk; `before` is what history
+        remembers of it."""
         if before is not None:
             return _class(before[1] + 1, _pace(self.now + 1 - before[0]) if before[0] >= 0 else 0)
         parent = self._state.get(self._announced.get(incoming))
@@ -389,12 +390,7 @@ class PrefixPolicy(EvictionPolicy):
         history = self._history
         before = history.pop(incoming, None)
         if cls is None:
-            if before is None:
-                cls = self._incoming_class(incoming)
-            else:  # `_incoming_class` of a remembered chunk
-                cls = _class(
-                    before[1] + 1, _pace(self.now + 1 - before[0]) if before[0] >= 0 else 0
-                )
+            cls = self._incoming_class(incoming, before)
         now = self.now = self.now + 1
         if before is None:
             uses, pace = 1, cls % PACES
