@@ -53,12 +53,7 @@ class KeyedLRUPolicy(ARCPolicy):
             return
         parent = self._announced.pop(chunk, None)
         if parent is not None:
-            held = parent in t1
-            if held or parent in self._batch:
-                self._parent[chunk] = parent
-                self._kids[parent] = self._kids.get(parent, 0) + 1
-            if held:
-                t1.move_to_end(parent)
+            self._link(chunk, parent, t1 if parent in t1 else None)
         t1[chunk] = None
 
     def on_evicted(self, chunk: ChunkId) -> None:

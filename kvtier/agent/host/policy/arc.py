@@ -104,12 +104,7 @@ class ARCPolicy(EvictionPolicy):
         if new:
             parent = self._announced.pop(chunk, None)
             if parent is not None:
-                held = t1 if parent in t1 else t2 if parent in t2 else None
-                if held is not None or parent in self._batch:
-                    self._parent[chunk] = parent
-                    self._kids[parent] = self._kids.get(parent, 0) + 1
-                if held is not None:
-                    held.move_to_end(parent)
+                self._link(chunk, parent, t1 if parent in t1 else t2 if parent in t2 else None)
         if chunk in b1 or chunk in b2:
             if chunk in self._adapted:
                 self._adapted.discard(chunk)
@@ -125,6 +120,16 @@ class ARCPolicy(EvictionPolicy):
             self._adapted.discard(b1.popitem(last=False)[0])
         while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
             self._adapted.discard(b2.popitem(last=False)[0])
+
+    def _link(self, chunk: ChunkId, parent: ChunkId, held: _List | None) -> None:
+        """A new chunk extends `parent`, resident in list `held` (None: not resident; linked
+        all the same if the store being committed brings it), which moves to its list's
+        recent end."""
+        if held is not None or parent in self._batch:
+            self._parent[chunk] = parent
+            self._kids[parent] = self._kids.get(parent, 0) + 1
+        if held is not None:
+            held.move_to_end(parent)
 
     def on_remove(self, chunk: ChunkId) -> None:
         if chunk in self.t1 or chunk in self.t2:
