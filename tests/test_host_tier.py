@@ -1,6 +1,6 @@
-"""The host tier in this process, without an agent: a chunk found damaged is dropped, and
-checking chunks again neither holds the tier's lock over the checksums nor drops a chunk
-that took a checked slot meanwhile."""
+"""The host tier in this process, without an agent: a chunk found damaged is dropped (at
+once, though a reader still pins it), and checking chunks again neither holds the tier's
+lock over the checksums nor drops a chunk that took a checked slot meanwhile."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvtier.agent.chunk import checksum
-from kvtier.agent.host.index import Grant
+from kvtier.agent.host.index import Entry, Grant
 from kvtier.agent.host.tier import HostTier
 from kvtier.agent.report.metrics import AgentMetrics
 from kvtier.api.config import HostTierConfig
@@ -59,6 +59,37 @@ def test_a_chunk_that_fails_its_checksum_again_is_dropped(tier: HostTier) -> Non
     assert tier.reverify(NS, [key(0), key(1), key(7)]) == 1
     assert held(tier, 0, 1) == [False, True]
     assert tier.stats().corrupt == 1
+
+
+def test_a_damaged_chunk_still_pinned_leaves_lookups_at_once_and_its_slot_at_the_last_unpin(
+    tier: HostTier,
+) -> None:
+    """A peer's lease and a queued write-back (pinned, as the tier chain pins what it
+    queues) still hold chunk 0 when it is found damaged: it is served to nobody from then
+    on and the write-back is told it is gone, but its slot goes to no other chunk while a
+    reader may still be copying it."""
+    queued: list[Entry] = []
+
+    def queue_write_back(entry: Entry) -> None:
+        tier.pin_locked(entry)
+        queued.append(entry)
+
+    tier.subscribe(queue_write_back, lambda entries: None)
+    slots = [store(tier, i) for i in range(SLOTS)]
+    lent = tier.begin_load("peer", NS, [key(0)])
+    damage(tier, slots[0])
+    assert tier.reverify(NS, [key(0)]) == 1
+    assert held(tier, 0, 1) == [False, True]
+    assert tier.held_header(queued[0]) is None
+    assert tier.held_header(queued[1]) is not None
+    assert tier.stats().free_slots == 0
+    tier.end_load(lent.lease, "peer")
+    assert tier.stats().free_slots == 0  # the write-back still pins it
+    for entry in queued:
+        tier.unpin(entry)
+    assert tier.stats().free_slots == 1
+    assert tier.allocate("c", NS, [key(9)], ROW).slots == slots[:1]  # taken, nothing evicted
+    assert held(tier, 1, 2, 3) == [True, True, True]
 
 
 def test_checksums_run_without_the_lock_and_spare_a_slot_taken_meanwhile(

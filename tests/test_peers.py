@@ -438,35 +438,42 @@ def test_a_chunk_damaged_in_the_holders_pool_is_never_served_by_a_peer(
     scratch: Path,
     data_path: str,
 ) -> None:
-    """One byte of a sealed chunk flips in the holder's memory: the holder checks every
-    chunk against its checksum before lending it, so it never lends that one (counted
-    corrupt, dropped); the asker serves a miss for it and the intact neighbour arrives. (A
-    chunk damaged on the way is caught by the asker's own check of what arrives.)"""
+    """One byte of a sealed chunk flips in the holder's memory. The asker checks every
+    chunk that arrives against its checksum: it serves a miss for that one, the intact
+    neighbour arrives, and it tells the holder, which checks its copy and drops it from its
+    pool and the directory. A reader on the holder's node still holds the chunk (a load
+    lease, as a write-back or another peer's transfer would): the chunk leaves every lookup
+    at once all the same, and its slot goes back to use only when that lease ends."""
     holder = agent_factory(node_config(make_config, scratch, "holder", None, **paced(data_path)))
     asker_config = node_config(make_config, scratch, "asker", None, **paced(data_path))
     agent_factory(asker_config)
     source = json.loads((scratch / "registry" / "holder.json").read_text())["endpoint"]
-    with AgentClient(holder.config.endpoint) as producer:
-        producer.store(NS, [key(i) for i in range(3)], [row(i, ROW) for i in range(3)])
-        wait_settled(producer)
     keys = [key(i) for i in range(3)]
-    with AgentClient(asker_config.endpoint) as asker:
-        assert asker.lookup(NS, keys, source=source).where == [1, 1, 1]
-        assert load_exact(asker, [0]) == [True]  # the connection to the holder is up
-        pool = PoolMap.open(holder.config.pool_path, populate=False)
-        pool.payload(find_slot(holder.config.pool_path, key(1)))[ROW // 3] ^= 0xFF
-        before = moved_chunks(asker)
-        outs = [np.zeros(ROW, np.uint8) for _ in range(2)]
-        assert asker.load_into(NS, keys[1:], outs) == [False, True]
-        assert np.array_equal(outs[1], row(2, ROW))
-        assert moved_chunks(asker) == before + 1  # over NIXL, or TCP while NIXL connects
-        # Nothing damaged entered the asker's pool, and told of it, the holder checked its
-        # copy, dropped it and withdrew it from the directory: no client of either node is
-        # served the bad bytes.
-        assert asker.lookup(NS, keys).where[1] != 0
-        assert wait_for(lambda: asker.lookup(NS, keys).where == [0, -1, 0])
+    with AgentClient(holder.config.endpoint) as reader:
+        reader.store(NS, keys, [row(i, ROW) for i in range(3)])
+        wait_settled(reader)
+        reading = reader.begin_load(NS, keys[1:2])
+        assert reading.slots[0] >= 0
+        with AgentClient(asker_config.endpoint) as asker:
+            assert asker.lookup(NS, keys, source=source).where == [1, 1, 1]
+            assert load_exact(asker, [0]) == [True]  # the connection to the holder is up
+            pool = PoolMap.open(holder.config.pool_path, populate=False)
+            pool.payload(find_slot(holder.config.pool_path, key(1)))[ROW // 3] ^= 0xFF
+            before = moved_chunks(asker)
+            outs = [np.zeros(ROW, np.uint8) for _ in range(2)]
+            assert asker.load_into(NS, keys[1:], outs) == [False, True]
+            assert np.array_equal(outs[1], row(2, ROW))
+            assert moved_chunks(asker) == before + 1  # over NIXL, or TCP while NIXL connects
+            # Nothing damaged entered the asker's pool; no client of either node is served
+            # the bad bytes, though the holder's reader still has its lease.
+            assert asker.lookup(NS, keys).where[1] != 0
+            assert wait_for(lambda: asker.lookup(NS, keys).where == [0, -1, 0])
+        assert wait_for(lambda: reader.lookup(NS, keys).where == [0, -1, 0])
+        free = reader.stats().host.free_slots
+        reader.end_load(reading.lease)
+        assert reader.stats().host.free_slots == free + 1
     with AgentClient(holder.config.endpoint) as producer:
-        assert wait_for(lambda: producer.lookup(NS, keys).where == [0, -1, 0])
+        assert producer.lookup(NS, keys).where == [0, -1, 0]
         assert (
             scrape(producer.stats().metrics_port)['kvtier_corrupt_chunks_total{tier="host"}'] == 1
         )

@@ -211,6 +211,8 @@ class HostIndex:
         self._ids: list[ChunkKey | None] = [] if self._by_slot else [None] * slot_count
         self._slot_by_key: dict[ChunkKey, int] = {}
         self._free = FreeSlots(slot_count)
+        # Slots of chunks removed while pinned: out of every lookup, back to use at last unpin.
+        self._withdrawn: set[int] = set()
         self._leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count((boot << 32) + 1)
         self._next_generation = (boot << 32) + 1
@@ -466,6 +468,8 @@ class HostIndex:
 
     def unpin(self, entry: Entry) -> None:
         self._pins[entry.slot] -= 1
+        if self._withdrawn:
+            self._return_withdrawn([entry.slot])
 
     def adopt(self, header: ChunkHeader, slot: int, generation: int) -> Entry:
         """Index a verified chunk found in the pool after a restart, keeping its slot's
@@ -488,13 +492,26 @@ class HostIndex:
         return bool(self._state[slot] == _SEALED and self._generation[slot] == entry.generation)
 
     def remove(self, entry: Entry) -> None:
-        """Drop a ready, unpinned chunk (it failed verification, or was deleted)."""
+        """Drop a ready chunk (it failed verification). It leaves every lookup now, pinned
+        or not: a pin is a reader still copying it (a peer's transfer, a write-back), which
+        must not make a damaged chunk servable again. A pinned slot goes back to use when
+        its last pin ends, so no reader sees its bytes change under it."""
         slot = entry.slot
-        if self._pins[slot] or self._state[slot] != _SEALED:
+        if self._state[slot] != _SEALED:
             return
         self.policy.on_remove(self._chunk_id(slot))
         self._forget(slot)
-        self._free.append(slot)
+        if self._pins[slot]:
+            self._withdrawn.add(slot)
+        else:
+            self._free.append(slot)
+
+    def _return_withdrawn(self, slots: list[int]) -> None:
+        """Put back to use the withdrawn slots among `slots` that no pin holds any more."""
+        for slot in slots:
+            if slot in self._withdrawn and not self._pins[slot]:
+                self._withdrawn.discard(slot)
+                self._free.append(slot)
 
     def rest(self, slot: int, until: float) -> None:
         """Keep a free slot out of use until `until`: a writer may still copy into it."""
@@ -558,6 +575,8 @@ class HostIndex:
         `rest_until` when its writer may still be copying (the lease expired)."""
         np.subtract.at(self._pins, lease.slots, 1)
         if lease.kind == "load":
+            if self._withdrawn:
+                self._return_withdrawn(lease.slots.tolist())
             return
         for slot in lease.slots.tolist():
             self._vacate(slot)

@@ -435,6 +435,12 @@ class HostTier:
 
     # --- hooks for the secondary tiers ----------------------------------------------------
 
+    def held_header(self, entry: Entry) -> ChunkHeader | None:
+        """The header of a pinned chunk, for writing it to a secondary tier; None once it
+        was withdrawn (a peer received it damaged while the write-back waited)."""
+        with self._lock:
+            return entry.header() if self._index.holds(entry) else None
+
     def payload(self, entry: Entry) -> memoryview:
         """The bytes of a pinned chunk, for writing it to a secondary tier."""
         return self.pool.payload(entry.slot, entry.length).data

@@ -186,7 +186,9 @@ class SecondaryTiers:
         while (entry := tier.queue.get()) is not None:
             started = time.perf_counter()
             try:
-                tier.backend.write(entry.header(), self.host.payload(entry))
+                if (header := self.host.held_header(entry)) is None:
+                    continue  # found damaged meanwhile: counted corrupt, written nowhere
+                tier.backend.write(header, self.host.payload(entry))
             except Exception as exc:
                 tier.counts.add("write_errors")
                 log.warning("tier %s: write failed: %s", tier.name, exc)

@@ -152,8 +152,8 @@ class Reader:
     def _read_batch(self, namespace: str, holder: str, batch: list[Read]) -> None:
         """NIXL first where both sides have it, then the stream, then ZMQ frames for
         what neither settled. One connection carries the batch's requests, its loan's return
-        and the damage report, so the holder sees them in that order (a chunk still lent
-        cannot be dropped)."""
+        and the damage report, so the holder sees them in that order (a damaged chunk still
+        lent leaves its lookups at once, its slot only once the loan is returned)."""
         remote = self.nixl_agent(holder)
         connection = self._connections.to(holder)
         try:
