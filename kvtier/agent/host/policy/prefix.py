@@ -51,7 +51,6 @@ without a parent is a root.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -74,6 +73,7 @@ HEAD_USES = 5  # a parent used this often is a shared head: its pace is no conve
 
 _Entry = tuple[int, int, ChunkId]  # (last access, sequence, chunk)
 _State = tuple[int, int, int, int]  # (last access, uses, class, pace)
+_Key = tuple[float, int, int, ChunkId]  # (density, last access, class, chunk)
 
 
 def _pace(gap: int) -> int:
@@ -99,7 +99,6 @@ class PrefixPolicy(EvictionPolicy):
         self._history_size = max(16 * capacity, HISTORY_MIN)
         self._refused: OrderedDict[ChunkId, None] = OrderedDict()
         self._heaps: list[list[_Entry]] = [[] for _ in range(CLASSES)]  # oldest on top
-        self._live: list[int] = []  # the classes whose heaps hold entries, in order
         self._seq = 0
         # What the densities are learnt from, per class: accesses that entered it, and reuse
         # gaps by age bucket.
@@ -109,9 +108,15 @@ class PrefixPolicy(EvictionPolicy):
         self._density = [[(c // PACES + 1) / (1 << b) for b in range(AGES)] for c in range(CLASSES)]
         self._coarse = [[(u + 1) / (1 << b) for b in range(AGES)] for u in range(CLASSES // PACES)]
         self._order = [self._coarse[c // PACES] for c in range(CLASSES)]  # eviction's rows
-        # Each heap's top as last found valid (last access, chunk); None once anything may
-        # have changed it, so an eviction re-checks only the heaps that changed.
-        self._top: list[tuple[int, ChunkId] | None] = [None] * CLASSES
+        # Each class's eviction key, its heap's valid top as (density, last access, class,
+        # chunk), None where the heap is empty; a class whose heap may have changed is
+        # dirty, and an eviction re-keys only those and the ones whose top's age bucket
+        # (hence density) has moved on since: `_until`, each key's end, `_soonest` the
+        # least of them or less.
+        self._key: list[_Key | None] = [None] * CLASSES
+        self._until = [0] * CLASSES
+        self._soonest = 0
+        self._dirty: set[int] = set(range(CLASSES))
         self._until_refresh = REFRESH
         self._until_halve = HALVE
         self.refused = 0
@@ -145,7 +150,7 @@ class PrefixPolicy(EvictionPolicy):
             if held is not None:
                 self._parent[chunk] = parent
                 self._children[parent] = self._children.get(parent, 0) + 1
-                self._top[held[2]] = None
+                self._dirty.add(held[2])
                 pace = held[3] if held[1] < HEAD_USES else 0  # its conversation's pace
         self._access(chunk, self._history.pop(chunk, None), pace)
 
@@ -238,7 +243,7 @@ class PrefixPolicy(EvictionPolicy):
             uses = 1
         else:
             last, uses, cls, pace = before
-            self._top[cls] = None
+            self._dirty.add(cls)
             if last >= 0:
                 gap = now - last
                 self._gaps[cls][gap.bit_length()] += 1
@@ -256,11 +261,8 @@ class PrefixPolicy(EvictionPolicy):
     def _push(self, cls: int, chunk: ChunkId, last: int) -> None:
         self._seq += 1
         entry = (last, self._seq, chunk)
-        heap = self._heaps[cls]
-        if not heap:
-            bisect.insort(self._live, cls)
-        heapq.heappush(heap, entry)
-        self._top[cls] = None
+        heapq.heappush(self._heaps[cls], entry)
+        self._dirty.add(cls)
         if not self._seq % 1024 and sum(map(len, self._heaps)) > 3 * len(self._state) + 64:
             self._compact()
 
@@ -274,8 +276,7 @@ class PrefixPolicy(EvictionPolicy):
         for heap in heaps:
             heap.sort()
         self._heaps = heaps
-        self._live = [cls for cls in range(CLASSES) if heaps[cls]]
-        self._top = [None] * CLASSES
+        self._dirty.update(range(CLASSES))
 
     @staticmethod
     def _densities(gaps: list[float], entered: float, out: list[float]) -> None:
@@ -298,6 +299,7 @@ class PrefixPolicy(EvictionPolicy):
         age), and per use count, which eviction orders by."""
         self._until_refresh = REFRESH
         self._until_halve -= REFRESH
+        self._dirty.update(range(CLASSES))  # every density may have changed
         halve = self._until_halve <= 0
         overall = [0.0] * AGES
         self._densities(
@@ -328,55 +330,57 @@ class PrefixPolicy(EvictionPolicy):
         return self._density[cls][(self.now - last).bit_length()]
 
     def _lowest_leaf(self, evictable: Callable[[ChunkId], bool]) -> tuple[ChunkId, float] | None:
-        """The evictable leaf of least density among each class's oldest, and its density.
-        Only the winner is asked whether it may go; a pinned one is set aside and the
-        classes compared again (pins sit on recent chunks, rarely on a class's oldest)."""
-        state, children, now = self._state, self._children, self.now
-        heaps, tops, rows = self._heaps, self._top, self._order
+        """The evictable leaf of least density among each class's oldest, and its density
+        (ties: the older, then the lower class). Only the winner is asked whether it may
+        go; a pinned one is set aside and the classes compared again (pins sit on recent
+        chunks, rarely on a class's oldest)."""
+        keys, dirty, now = self._key, self._dirty, self.now
+        if now >= self._soonest:
+            until, soonest = self._until, now + (1 << 62)
+            for cls in range(CLASSES):
+                if keys[cls] is not None:
+                    if until[cls] <= now:
+                        dirty.add(cls)
+                    elif until[cls] < soonest:
+                        soonest = until[cls]
+            self._soonest = soonest
+        if dirty:
+            for cls in dirty:
+                self._rekey(cls)
+            dirty.clear()
         pinned: list[tuple[int, _Entry]] = []
         found: tuple[ChunkId, float] | None = None
-        emptied = False
         while True:
-            best, best_density, best_last = -1, 0.0, 0  # least (density, last access)
-            for cls in self._live:
-                top = tops[cls]
-                if top is None:
-                    heap = heaps[cls]
-                    while heap:
-                        last, _, chunk = heap[0]
-                        held = state.get(chunk)
-                        if held is None or held[0] != last or children.get(chunk):
-                            heapq.heappop(heap)  # superseded, gone, or no longer a leaf
-                            continue
-                        top = tops[cls] = (last, chunk)
-                        break
-                    if top is None:
-                        emptied = True
-                        continue
-                last = top[0]
-                density = rows[cls][(now - last).bit_length()]
-                if (
-                    best < 0
-                    or density < best_density
-                    or (density == best_density and last < best_last)
-                ):
-                    best, best_density, best_last = cls, density, last
-            if best < 0:
+            best = min(filter(None, keys), default=None)
+            if best is None:
                 break
-            winner = tops[best]
-            assert winner is not None
-            chunk = winner[1]
+            density, _, cls, chunk = best
             if evictable(chunk):
-                found = (chunk, best_density)
+                found = (chunk, density)
                 break
-            pinned.append((best, heapq.heappop(heaps[best])))
-            tops[best] = None
+            pinned.append((cls, heapq.heappop(self._heaps[cls])))
+            self._rekey(cls)
         for cls, item in pinned:
-            heapq.heappush(heaps[cls], item)
-            tops[cls] = None
-        if emptied:
-            self._live = [cls for cls in self._live if heaps[cls]]
+            heapq.heappush(self._heaps[cls], item)
+            dirty.add(cls)
         return found
+
+    def _rekey(self, cls: int) -> None:
+        """Key `cls` by its heap's oldest valid leaf, dropping superseded entries on the way."""
+        heap, state, children = self._heaps[cls], self._state, self._children
+        while heap:
+            last, _, chunk = heap[0]
+            held = state.get(chunk)
+            if held is None or held[0] != last or children.get(chunk):
+                heapq.heappop(heap)  # superseded, gone, or no longer a leaf
+                continue
+            age = (self.now - last).bit_length()
+            self._key[cls] = (self._order[cls][age], last, cls, chunk)
+            until = self._until[cls] = last + (1 << age)
+            if until < self._soonest:
+                self._soonest = until
+            return
+        self._key[cls] = None
 
     def _refuse(self, incoming: ChunkId | None, cls: int | None = None) -> None:
         """Turn a store away (`cls`: its class as an incoming chunk, where known). It was
@@ -406,7 +410,7 @@ class PrefixPolicy(EvictionPolicy):
 
     def _forget(self, chunk: ChunkId, remember: bool) -> None:
         held = self._state.pop(chunk)
-        self._top[held[2]] = None
+        self._dirty.add(held[2])
         self._children.pop(chunk, None)
         parent = self._parent.pop(chunk, None)
         if parent is not None and parent in self._children:
