@@ -119,6 +119,7 @@ class PrefixPolicy(EvictionPolicy):
         self._dirty: set[int] = set(range(CLASSES))
         self._until_refresh = REFRESH
         self._until_halve = HALVE
+        self._extended: set[ChunkId] = set()  # during a store: chunks a later one extends
         self.refused = 0
 
     # --- what the index tells it ----------------------------------------------------------
@@ -150,9 +151,31 @@ class PrefixPolicy(EvictionPolicy):
             if held is not None:
                 self._parent[chunk] = parent
                 self._children[parent] = self._children.get(parent, 0) + 1
-                self._dirty.add(held[2])
+                self._stale(held[2], parent)  # no longer a leaf
                 pace = held[3] if held[1] < HEAD_USES else 0  # its conversation's pace
         self._access(chunk, self._history.pop(chunk, None), pace)
+
+    def on_inserts(self, chunks: Sequence[ChunkId]) -> None:
+        """In order. A chunk that a later chunk of the same store extends is no leaf by the
+        time anything evicts, so it gets no heap entry (a chain's store would leave all but
+        its last entry superseded)."""
+        if self.arc is not None:
+            self.arc.on_inserts(chunks)
+            return
+        state, announced = self._state, self._announced
+        seen: set[ChunkId] = set()
+        extended = self._extended
+        for chunk in chunks:
+            if chunk not in state and chunk not in seen:
+                parent = announced.get(chunk)
+                if parent in seen:  # resident by then, so linked: no longer a leaf
+                    extended.add(parent)
+            seen.add(chunk)
+        try:
+            for chunk in chunks:
+                self.on_insert(chunk)
+        finally:
+            extended.clear()
 
     def on_hit(self, chunk: ChunkId) -> None:
         if self.arc is not None:
@@ -243,26 +266,35 @@ class PrefixPolicy(EvictionPolicy):
             uses = 1
         else:
             last, uses, cls, pace = before
-            self._dirty.add(cls)
+            self._stale(cls, chunk)
             if last >= 0:
                 gap = now - last
                 self._gaps[cls][gap.bit_length()] += 1
-                pace = _pace(gap)
+                pace = 1 if gap < 1 << 10 else 2 if gap < 1 << 12 else 3 if gap < 1 << 14 else 4
             uses += 1
-        cls = _class(uses, pace)
+        cls = USES[uses if uses < 8 else 8] * PACES + pace
         self._entered[cls] += 1
         self._state[chunk] = (now, uses, cls, pace)
-        if not self._children.get(chunk):
+        if not self._children.get(chunk) and chunk not in self._extended:
             self._push(cls, chunk, now)
         self._until_refresh -= 1
         if self._until_refresh <= 0:
             self._refresh()
 
+    def _stale(self, cls: int, chunk: ChunkId) -> None:
+        """`chunk` of class `cls` changed: its class is re-keyed if it was the key."""
+        key = self._key[cls]
+        if key is not None and key[3] == chunk:
+            self._dirty.add(cls)
+
     def _push(self, cls: int, chunk: ChunkId, last: int) -> None:
+        """A leaf's entry; its class is re-keyed if the entry goes before the key (a
+        leaf's entry is pushed when it is used, the newest, or when it becomes one)."""
         self._seq += 1
-        entry = (last, self._seq, chunk)
-        heapq.heappush(self._heaps[cls], entry)
-        self._dirty.add(cls)
+        heapq.heappush(self._heaps[cls], (last, self._seq, chunk))
+        key = self._key[cls]
+        if key is None or last < key[1]:
+            self._dirty.add(cls)
         if not self._seq % 1024 and sum(map(len, self._heaps)) > 3 * len(self._state) + 64:
             self._compact()
 
@@ -410,7 +442,7 @@ class PrefixPolicy(EvictionPolicy):
 
     def _forget(self, chunk: ChunkId, remember: bool) -> None:
         held = self._state.pop(chunk)
-        self._dirty.add(held[2])
+        self._stale(held[2], chunk)
         self._children.pop(chunk, None)
         parent = self._parent.pop(chunk, None)
         if parent is not None and parent in self._children:
