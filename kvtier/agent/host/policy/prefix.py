@@ -41,7 +41,9 @@ the densities it compares are learnt ones.
 
 Use counts and last-access times of evicted chunks are remembered for 16 times as many
 chunks as the pool holds, and at least 65,536: a prompt often comes back only after the
-pool has turned over several times, and its history is what tells it from a one-off.
+pool has turned over several times, and its history is what tells it from a one-off. They
+are kept by the chunk's hash, not its name: two chunks of one hash (one in 2^64 per pair)
+share a history, which can only misjudge a class, never what a chunk holds.
 
 Until a store names a parent, the policy is ARC: an older plug-in that sends no parents
 gets exactly the `arc` policy. From the first parent on it keeps the tree (the chunks ARC
@@ -95,7 +97,9 @@ class PrefixPolicy(EvictionPolicy):
         self._children: dict[ChunkId, int] = {}  # resident children, where any
         self._parent: dict[ChunkId, ChunkId] = {}  # resident chunks with a known parent
         self._announced: OrderedDict[ChunkId, ChunkId] = OrderedDict()  # stores not committed
-        self._history: OrderedDict[ChunkId, _State] = OrderedDict()  # evicted chunks
+        # Evicted chunks by hash: a chunk's name (a namespace and a key) is not kept alive
+        # for it, which made history most of the policy's memory (16 entries per slot).
+        self._history: OrderedDict[int, _State] = OrderedDict()
         self._history_size = max(16 * capacity, HISTORY_MIN)
         self._refused: OrderedDict[ChunkId, None] = OrderedDict()
         self._heaps: list[list[_Entry]] = [[] for _ in range(CLASSES)]  # oldest on top
@@ -153,7 +157,7 @@ class PrefixPolicy(EvictionPolicy):
                 self._children[parent] = self._children.get(parent, 0) + 1
                 self._stale(held[2], parent)  # no longer a leaf
                 pace = held[3] if held[1] < HEAD_USES else 0  # its conversation's pace
-        self._access(chunk, self._history.pop(chunk, None), pace)
+        self._access(chunk, self._history.pop(hash(chunk), None), pace)
 
     def on_inserts(self, chunks: Sequence[ChunkId]) -> None:
         """In order. A chunk that a later chunk of the same store extends is no leaf by the
@@ -228,7 +232,7 @@ class PrefixPolicy(EvictionPolicy):
             victim = found[0]
             if admitting:
                 # the incoming chunk as a new member of its class (age 0) against its victim
-                cls = self._incoming_class(incoming, self._history.get(incoming))
+                cls = self._incoming_class(incoming, self._history.get(hash(incoming)))
                 if self._density[cls][0] < self._density_of(victim):
                     self._refuse(incoming, cls)
                     return None
@@ -423,8 +427,8 @@ class PrefixPolicy(EvictionPolicy):
         refused[incoming] = None
         if len(refused) > REFUSED_MAX:
             refused.popitem(last=False)
-        history = self._history
-        before = history.pop(incoming, None)
+        history, name = self._history, hash(incoming)
+        before = history.pop(name, None)
         if cls is None:
             cls = self._incoming_class(incoming, before)
         now = self.now = self.now + 1
@@ -436,7 +440,7 @@ class PrefixPolicy(EvictionPolicy):
             self._gaps[was][gap.bit_length()] += 1
             uses, pace = uses + 1, _pace(gap)
         self._entered[cls] += 1
-        history[incoming] = (now, uses, cls, pace)
+        history[name] = (now, uses, cls, pace)
         if len(history) > self._history_size:
             history.popitem(last=False)
 
@@ -454,8 +458,9 @@ class PrefixPolicy(EvictionPolicy):
                 last, _, cls, _ = self._state[parent]
                 self._push(cls, parent, last)  # a leaf now
         if remember:
-            self._history[chunk] = held
-            self._history.move_to_end(chunk)
+            name = hash(chunk)
+            self._history[name] = held
+            self._history.move_to_end(name)
             if len(self._history) > self._history_size:
                 self._history.popitem(last=False)
 
