@@ -82,7 +82,10 @@ def test_daemonset_runs_unprivileged_with_volumes_probes_and_sized_memory() -> N
     assert pod["securityContext"]["supplementalGroups"] == [tier_group("inference", "llama")]
     assert agent["readinessProbe"]["httpGet"]["path"] == "/metrics"
     memory = int(agent["resources"]["requests"]["memory"])
-    assert memory == (8 << 30) + (512 << 20) == int(agent["resources"]["limits"]["memory"])
+    # the pool, the overhead, and 2 KiB of arc index for each of its 4,088 slots (2 MiB
+    # rows, each with a 4 KiB header, after the pool's 4 KiB superblock)
+    assert memory == (8 << 30) + (512 << 20) + 4088 * 2048
+    assert memory == int(agent["resources"]["limits"]["memory"])
 
 
 def test_agent_reads_its_secrets_as_kubelet_mounts_them() -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from collections.abc import Mapping
 from typing import Any
 
+from kvtier.api.agent_memory import agent_memory
 from kvtier.api.config import AgentConfig, ConfigError, parse_config
 from kvtier.api.names import (
     API_VERSION,
@@ -31,7 +33,6 @@ TIER_VOLUME = "kvtier"  # the CSI volume's name in agent and vLLM pods
 S3_MOUNT = "/etc/kvtier/s3"
 CURVE_MOUNT = "/etc/kvtier/curve"
 DEFAULT_TRANSPORTS = ["nixl", "tcp", "zmq"]  # the CRD's default
-MEMORY_OVERHEAD = 512 << 20  # agent process, page tables, write-back buffers
 
 
 def owner_reference(tier: Manifest) -> Manifest:
@@ -323,15 +324,24 @@ def _tier_volumes(tier: Manifest) -> tuple[list[Manifest], list[Manifest]]:
     return volumes, mounts
 
 
+def host_sizes(spec: Mapping[str, Any]) -> tuple[int, int, str]:
+    """The pool's capacity and chunk size in bytes, and its eviction policy, as the agent
+    gets them (the CRD's defaults where the spec is silent)."""
+    host = spec["host"]
+    chunk = parse_bytes(host.get("chunkSize", DEFAULT_CHUNK_SIZE))
+    return parse_bytes(host["capacity"]), chunk, str(host.get("policy", "lru"))
+
+
 def agent_resources(spec: Manifest) -> Manifest:
     """The pool lives on tmpfs and is charged to the agent's memory cgroup, so the agent
-    requests (and is limited to) the pool plus a fixed overhead, unless told otherwise.
+    requests (and is limited to) the pool, a fixed overhead and what its index of the
+    pool's chunks takes under its policy (`api.agent_memory`), unless told otherwise.
     Its CPU request is small (an agent mostly waits on its socket) and unlimited, so it fits
     beside the engines on any node; docs/sizing.md says when to raise it."""
     given = spec.get("agent", {}).get("resources")
     if given:
         return dict(given)
-    memory = str(parse_bytes(spec["host"]["capacity"]) + MEMORY_OVERHEAD)
+    memory = str(agent_memory(*host_sizes(spec)))
     return {"requests": {"cpu": "100m", "memory": memory}, "limits": {"memory": memory}}
 
 

@@ -18,8 +18,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.api.agent_memory import OVERHEAD, index_bytes, largest_capacity
+from kvtier.api.pool_layout import pool_slot_count
 from kvtier.api.units import parse_bytes
-from kvtier.operator.builders import MEMORY_OVERHEAD, agent_resources
+from kvtier.operator.builders import agent_resources, host_sizes
 
 Manifest = dict[str, Any]
 LIMIT = 20  # agents named in status.agents (the CRD's maxItems)
@@ -88,12 +90,18 @@ def _requested_memory(spec: Mapping[str, Any]) -> tuple[int, str] | None:
         return None
     if (spec.get("agent") or {}).get("resources"):
         return amount, "spec.agent.resources"
-    return amount, f"host.capacity {spec['host']['capacity']} + {quantity(MEMORY_OVERHEAD)}"
+    capacity, chunk, policy = host_sizes(spec)
+    slots = pool_slot_count(capacity, chunk)
+    return amount, (
+        f"host.capacity {spec['host']['capacity']} + {quantity(OVERHEAD)} + index "
+        f"{quantity(index_bytes(policy, slots))} ({slots:,} chunks, {policy})"
+    )
 
 
 def request_note(spec: Mapping[str, Any] | None) -> str:
-    """What an agent requests, e.g. `agent requests 64.5Gi: host.capacity 64Gi + 512Mi`:
-    appended to the scheduler's `Insufficient memory`, which names no amount."""
+    """What an agent requests, e.g. `agent requests 64.53Gi: host.capacity 64Gi + 512Mi +
+    index 31.93Mi (32,704 chunks, lru)`: appended to the scheduler's `Insufficient memory`,
+    which names no amount."""
     requested = _requested_memory(spec) if spec else None
     if requested is None:
         return ""
@@ -293,11 +301,11 @@ def capacity_warning(spec: Mapping[str, Any], nodes: Iterable[Mapping[str, Any]]
     if not sizes or any(size >= amount for size, _ in sizes):
         return None
     largest, where = max(sizes)
-    fix = (
-        f"lower spec.host.capacity to at most {quantity(largest - MEMORY_OVERHEAD)}"
-        if source.startswith("host.capacity")
-        else "lower spec.agent.resources' memory"
-    )
+    if source.startswith("host.capacity"):
+        fitting = largest_capacity(largest, *host_sizes(spec)[1:])
+        fix = f"lower spec.host.capacity to at most {quantity(fitting)}"
+    else:
+        fix = "lower spec.agent.resources' memory"
     return (
         f"agent requests {quantity(amount)} of memory ({source}), more than the allocatable "
         f"memory of every selected node ({len(sizes)}; largest {quantity(largest)} on "
