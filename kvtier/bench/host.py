@@ -362,10 +362,13 @@ def _keys_per_s(ask: Callable[[Any], object], batches: list[Any]) -> float:
 
 
 def _fill(index: HostIndex, chunks: int) -> None:
-    """Store and commit `chunks` new chunks, 1,024 a lease, keeping no key here."""
+    """Store and commit `chunks` new chunks, 1,024 a lease, each naming the chunk before
+    it as its parent (as the plug-in's stores do: `prefix` keeps its tree), keeping no key
+    here."""
     for start in range(0, chunks, 1024):
         keys = [_index_key(i) for i in range(start, min(start + 1024, chunks))]
-        lease, _, _, _ = index.allocate("bench", NS, keys, PAGE, float("inf"))
+        parents: list[bytes | None] = [None, *keys[:-1]]
+        lease, _, _, _ = index.allocate("bench", NS, keys, PAGE, float("inf"), parents)
         index.commit(lease, "bench")
 
 
