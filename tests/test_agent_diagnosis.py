@@ -120,6 +120,15 @@ def test_without_a_log_tail_the_crash_says_how_the_container_ended() -> None:
     last["message"] = "pool mapped\n"
     found = pod_problem(pod)
     assert found is not None and found.message == "OOMKilled: pool mapped"
+    # what the limit was made of, as for an unschedulable agent
+    found = pod_problem(pod, note=request_note(SPEC))
+    assert found is not None and found.message == (
+        "OOMKilled: pool mapped (agent requests 64.53Gi: host.capacity 64Gi + 512Mi + "
+        "index 31.93Mi (32,704 chunks, lru))"
+    )
+    last["reason"] = "Error"  # another exit: the note says nothing of it
+    found = pod_problem(pod, note=request_note(SPEC))
+    assert found is not None and found.message == "pool mapped"
 
 
 def test_a_missing_secret_shows_through_the_pods_newest_warning_event() -> None:

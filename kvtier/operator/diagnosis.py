@@ -180,16 +180,19 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def _last_exit(terminated: Mapping[str, Any]) -> str:
+def _last_exit(terminated: Mapping[str, Any], note: str = "") -> str:
     """A terminated container's last words: the last line of `terminated.message` (the log
     tail, under FallbackToLogsOnError), prefixed by kubelet's reason when it says more than
-    `Error` (OOMKilled: the pool plus overhead outgrew the memory limit)."""
+    `Error`; after OOMKilled (the pool, its index and the overhead outgrew the memory limit),
+    `note`: what the agent requests."""
     reason = str(terminated.get("reason") or "")
     line = _last_line(str(terminated.get("message") or ""))
     code = terminated.get("exitCode")
     if not line:
-        return f"{reason or 'exited'} (exit code {code})" if code is not None else reason
-    return line if reason in ("", "Error") else f"{reason}: {line}"
+        said = f"{reason or 'exited'} (exit code {code})" if code is not None else reason
+    else:
+        said = line if reason in ("", "Error") else f"{reason}: {line}"
+    return f"{said} ({note})" if note and reason == "OOMKilled" else said
 
 
 def _statuses(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -201,7 +204,8 @@ def pod_problem(
     pod: Mapping[str, Any], events: Iterable[Mapping[str, Any]] = (), note: str = ""
 ) -> AgentProblem | None:
     """Why the agent pod does not run, or None when it is ready. `note` (what the agent
-    requests) goes with an unschedulable pod's message."""
+    requests) goes with an unschedulable pod's message, and an OOM-killed one's: what its
+    limit was made of says which part to raise."""
     if is_ready(pod):
         return None
     status = pod.get("status") or {}
@@ -232,14 +236,14 @@ def pod_problem(
             reason = str(waiting.get("reason") or "Waiting")
             if reason == "CrashLoopBackOff":
                 last = (container.get("lastState") or {}).get("terminated")
-                message = _last_exit(last) if last else str(waiting.get("message") or "")
+                message = _last_exit(last, note) if last else str(waiting.get("message") or "")
             elif reason in _SILENT or not waiting.get("message"):
                 message = newest_warning(pod, events)
             else:
                 message = str(waiting["message"])
             return problem(reason, message)
         if (terminated := state.get("terminated")) is not None and terminated.get("exitCode"):
-            return problem(str(terminated.get("reason") or "Error"), _last_exit(terminated))
+            return problem(str(terminated.get("reason") or "Error"), _last_exit(terminated, note))
     if phase == "Running":
         ready = _condition(pod, "Ready") or {}
         # kubelet's `Unhealthy: Readiness probe failed: ...` event says more than the
