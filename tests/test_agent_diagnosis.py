@@ -69,15 +69,16 @@ def test_unschedulable_pod_names_node_scheduler_message_and_what_the_agent_reque
     assert found.reason == "Unschedulable"
     assert found.message == (
         "0/1 nodes are available: 1 Insufficient memory "
-        "(agent requests 64.53Gi: host.capacity 64Gi + 512Mi + index 31.93Mi (32,704 chunks, lru))"
+        "(agent requests 64.7Gi: host.capacity 64Gi + 512Mi + page tables 128Mi + "
+        "79.84Mi for 32,704 chunks (lru))"
     )
     status = aggregate([], 1, NOW, 60, pods=[unschedulable()], spec=SPEC)
     agents_ready = conditions_of(status)["AgentsReady"]
     assert agents_ready["status"] == "False" and agents_ready["reason"] == "Unschedulable"
     assert agents_ready["message"] == (
         "1/1 agents not running: node-a: Unschedulable: 0/1 nodes are available: "
-        "1 Insufficient memory (agent requests 64.53Gi: host.capacity 64Gi + 512Mi + "
-        "index 31.93Mi (32,704 chunks, lru))"
+        "1 Insufficient memory (agent requests 64.7Gi: host.capacity 64Gi + 512Mi + "
+        "page tables 128Mi + 79.84Mi for 32,704 chunks (lru))"
     )
     assert status["agents"] == [
         {
@@ -123,8 +124,8 @@ def test_without_a_log_tail_the_crash_says_how_the_container_ended() -> None:
     # what the limit was made of, as for an unschedulable agent
     found = pod_problem(pod, note=request_note(SPEC))
     assert found is not None and found.message == (
-        "OOMKilled: pool mapped (agent requests 64.53Gi: host.capacity 64Gi + 512Mi + "
-        "index 31.93Mi (32,704 chunks, lru))"
+        "OOMKilled: pool mapped (agent requests 64.7Gi: host.capacity 64Gi + 512Mi + "
+        "page tables 128Mi + 79.84Mi for 32,704 chunks (lru))"
     )
     last["reason"] = "Error"  # another exit: the note says nothing of it
     found = pod_problem(pod, note=request_note(SPEC))
@@ -293,11 +294,11 @@ def test_capacity_beyond_every_selected_node_is_a_warning() -> None:
     warning = capacity_warning(SPEC, nodes)
     assert warning is not None
     assert warning.startswith(
-        "agent requests 64.53Gi of memory "
-        "(host.capacity 64Gi + 512Mi + index 31.93Mi (32,704 chunks, lru))"
+        "agent requests 64.7Gi of memory "
+        "(host.capacity 64Gi + 512Mi + page tables 128Mi + 79.84Mi for 32,704 chunks (lru))"
     )
     assert "largest 22.71Gi on small" in warning
-    assert "lower spec.host.capacity to at most 22.2Gi" in warning
+    assert "lower spec.host.capacity to at most 22.14Gi" in warning
     assert capacity_warning({**SPEC, "host": {"capacity": "4Gi"}}, nodes) is None
     assert capacity_warning({**SPEC, "nodeSelector": {}}, nodes) is None  # "big" fits
     assert capacity_warning({**SPEC, "nodeSelector": {"pool": "none"}}, nodes) is None

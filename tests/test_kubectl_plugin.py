@@ -167,7 +167,8 @@ def test_status_names_the_node_and_reason_of_an_agent_that_never_reported(api: K
     namespace = "edge"
     message = (
         "0/1 nodes are available: 1 Insufficient memory "
-        "(agent requests 64.53Gi: host.capacity 64Gi + 512Mi + index 31.93Mi (32,704 chunks, lru))"
+        "(agent requests 64.7Gi: host.capacity 64Gi + 512Mi + page tables 128Mi + "
+        "79.84Mi for 32,704 chunks (lru))"
     )
     agents_ready = f"1/1 agents not running: node-a: Unschedulable: {message}"
     api.create(

@@ -45,7 +45,8 @@ RESOURCE: dict[str, Any] = {
 }
 UNSCHEDULABLE = (
     "node-a: Unschedulable: 0/1 nodes are available: 1 Insufficient memory "
-    "(agent requests 64.53Gi: host.capacity 64Gi + 512Mi + index 31.93Mi (32,704 chunks, lru))"
+    "(agent requests 64.7Gi: host.capacity 64Gi + 512Mi + page tables 128Mi + "
+    "79.84Mi for 32,704 chunks (lru))"
 )
 
 

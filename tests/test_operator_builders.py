@@ -82,9 +82,10 @@ def test_daemonset_runs_unprivileged_with_volumes_probes_and_sized_memory() -> N
     assert pod["securityContext"]["supplementalGroups"] == [tier_group("inference", "llama")]
     assert agent["readinessProbe"]["httpGet"]["path"] == "/metrics"
     memory = int(agent["resources"]["requests"]["memory"])
-    # the pool, the overhead, and 2 KiB of arc index for each of its 4,088 slots (2 MiB
-    # rows, each with a 4 KiB header, after the pool's 4 KiB superblock)
-    assert memory == (8 << 30) + (512 << 20) + 4088 * 2048
+    # the pool and its page tables (8 bytes a 4 KiB page), the overhead, and for each of
+    # its 4,088 slots (2 MiB rows, each with a 4 KiB header, after the pool's 4 KiB
+    # superblock) 2 KiB of arc index and 1.5 KiB of the agent's other state
+    assert memory == (8 << 30) + (8 << 30) // 512 + (512 << 20) + 4088 * (2048 + 1536)
     assert memory == int(agent["resources"]["limits"]["memory"])
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.api.agent_memory import OVERHEAD, index_bytes, largest_capacity
+from kvtier.api.agent_memory import OVERHEAD, PAGE_TABLE_SHARE, index_bytes, largest_capacity
 from kvtier.api.pool_layout import pool_slot_count
 from kvtier.api.units import parse_bytes
 from kvtier.operator.builders import agent_resources, host_sizes
@@ -93,15 +93,16 @@ def _requested_memory(spec: Mapping[str, Any]) -> tuple[int, str] | None:
     capacity, chunk, policy = host_sizes(spec)
     slots = pool_slot_count(capacity, chunk)
     return amount, (
-        f"host.capacity {spec['host']['capacity']} + {quantity(OVERHEAD)} + index "
-        f"{quantity(index_bytes(policy, slots))} ({slots:,} chunks, {policy})"
+        f"host.capacity {spec['host']['capacity']} + {quantity(OVERHEAD)} + page tables "
+        f"{quantity(capacity // PAGE_TABLE_SHARE)} + {quantity(index_bytes(policy, slots))} "
+        f"for {slots:,} chunks ({policy})"
     )
 
 
 def request_note(spec: Mapping[str, Any] | None) -> str:
-    """What an agent requests, e.g. `agent requests 64.53Gi: host.capacity 64Gi + 512Mi +
-    index 31.93Mi (32,704 chunks, lru)`: appended to the scheduler's `Insufficient memory`,
-    which names no amount."""
+    """What an agent requests, e.g. `agent requests 64.7Gi: host.capacity 64Gi + 512Mi +
+    page tables 128Mi + 79.84Mi for 32,704 chunks (lru)`: appended to the scheduler's
+    `Insufficient memory`, which names no amount."""
     requested = _requested_memory(spec) if spec else None
     if requested is None:
         return ""
@@ -281,6 +282,21 @@ def _node_selected(node: Mapping[str, Any], selector: Mapping[str, str]) -> bool
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def _capacity_fix(spec: Mapping[str, Any], memory: int) -> str:
+    """What to lower so that an agent fits in `memory`: the capacity that does, or under
+    another policy than lru also lru's (which remembers no evicted chunk), or, where no
+    pool of one chunk fits, the chunk size."""
+    _, chunk, policy = host_sizes(spec)
+    fitting = largest_capacity(memory, chunk, policy)
+    if not fitting:
+        return "no host.capacity fits with this host.chunkSize: lower spec.host.chunkSize"
+    fix = f"lower spec.host.capacity to at most {quantity(fitting)}"
+    lean = largest_capacity(memory, chunk, "lru")
+    if policy != "lru" and lean > fitting * 1.01:
+        fix += f" ({quantity(lean)} with host.policy lru)"
+    return fix
+
+
 def capacity_warning(spec: Mapping[str, Any], nodes: Iterable[Mapping[str, Any]]) -> str | None:
     """A warning when what each agent requests exceeds the allocatable memory of every node
     the tier's nodeSelector selects, so that no agent can ever be scheduled; None when one
@@ -306,8 +322,7 @@ def capacity_warning(spec: Mapping[str, Any], nodes: Iterable[Mapping[str, Any]]
         return None
     largest, where = max(sizes)
     if source.startswith("host.capacity"):
-        fitting = largest_capacity(largest, *host_sizes(spec)[1:])
-        fix = f"lower spec.host.capacity to at most {quantity(fitting)}"
+        fix = _capacity_fix(spec, largest)
     else:
         fix = "lower spec.agent.resources' memory"
     return (
