@@ -334,8 +334,8 @@ def host_sizes(spec: Mapping[str, Any]) -> tuple[int, int, str]:
 
 def agent_resources(spec: Manifest) -> Manifest:
     """The pool lives on tmpfs and is charged to the agent's memory cgroup, so the agent
-    requests (and is limited to) the pool, a fixed overhead and what its index of the
-    pool's chunks takes under its policy (`api.agent_memory`), unless told otherwise.
+    requests (and is limited to) the pool, its page tables, a fixed overhead and what it
+    keeps per slot under its policy (`api.agent_memory`), unless told otherwise.
     Its CPU request is small (an agent mostly waits on its socket) and unlimited, so it fits
     beside the engines on any node; docs/sizing.md says when to raise it."""
     given = spec.get("agent", {}).get("resources")
