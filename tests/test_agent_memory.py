@@ -22,8 +22,8 @@ from kvtier.api.agent_memory import (
     OVERHEAD,
     PAGE_TABLE_SHARE,
     agent_memory,
-    index_bytes,
     largest_capacity,
+    state_bytes,
 )
 from kvtier.api.config import HostTierConfig
 from kvtier.api.pool_layout import PAGE, pool_geometry, pool_slot_count
@@ -55,7 +55,7 @@ def test_the_operator_requests_the_index_of_small_chunks() -> None:
     memory = int(agent_resources(spec)["limits"]["memory"])
     per_slot = INDEX_BYTES_PER_SLOT["prefix"] + AGENT_BYTES_PER_SLOT
     assert memory == (64 << 30) + (64 << 30) // 512 + OVERHEAD + slots * per_slot
-    assert index_bytes("prefix", slots) > 10 * OVERHEAD
+    assert state_bytes("prefix", slots) > 10 * OVERHEAD
     lru = int(agent_resources({"host": {**spec["host"], "policy": "lru"}})["limits"]["memory"])
     assert lru < memory
 

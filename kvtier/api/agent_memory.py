@@ -39,7 +39,7 @@ def slot_bytes(policy: str) -> int:
     return INDEX_BYTES_PER_SLOT[policy] + AGENT_BYTES_PER_SLOT
 
 
-def index_bytes(policy: str, slots: int) -> int:
+def state_bytes(policy: str, slots: int) -> int:
     """The most the agent's per-slot state takes for `slots` slots under `policy`."""
     return slots * slot_bytes(policy)
 
@@ -48,7 +48,7 @@ def agent_memory(capacity: int, chunk_bytes: int, policy: str) -> int:
     """What an agent with this pool needs: the pool and its page tables, the overhead, and
     its per-slot state."""
     slots = pool_slot_count(capacity, chunk_bytes)
-    return capacity + capacity // PAGE_TABLE_SHARE + OVERHEAD + index_bytes(policy, slots)
+    return capacity + capacity // PAGE_TABLE_SHARE + OVERHEAD + state_bytes(policy, slots)
 
 
 def largest_capacity(memory: int, chunk_bytes: int, policy: str) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.api.agent_memory import OVERHEAD, PAGE_TABLE_SHARE, index_bytes, largest_capacity
+from kvtier.api.agent_memory import OVERHEAD, PAGE_TABLE_SHARE, largest_capacity, state_bytes
 from kvtier.api.pool_layout import pool_slot_count
 from kvtier.api.units import parse_bytes
 from kvtier.operator.builders import agent_resources, host_sizes
@@ -94,7 +94,7 @@ def _requested_memory(spec: Mapping[str, Any]) -> tuple[int, str] | None:
     slots = pool_slot_count(capacity, chunk)
     return amount, (
         f"host.capacity {spec['host']['capacity']} + {quantity(OVERHEAD)} + page tables "
-        f"{quantity(capacity // PAGE_TABLE_SHARE)} + {quantity(index_bytes(policy, slots))} "
+        f"{quantity(capacity // PAGE_TABLE_SHARE)} + {quantity(state_bytes(policy, slots))} "
         f"for {slots:,} chunks ({policy})"
     )
 
