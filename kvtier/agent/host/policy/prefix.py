@@ -274,6 +274,7 @@ class PrefixPolicy(EvictionPolicy):
             if last >= 0:
                 gap = now - last
                 self._gaps[cls][gap.bit_length()] += 1
+                # _pace and _class inlined: this runs for every access
                 pace = 1 if gap < 1 << 10 else 2 if gap < 1 << 12 else 3 if gap < 1 << 14 else 4
             uses += 1
         cls = USES[uses if uses < 8 else 8] * PACES + pace
