@@ -155,7 +155,8 @@ def test_the_index_answers_a_key_alone_only_where_the_agent_has_nothing_to_add(
 ) -> None:
     """`find`, the plug-in's per-key question: a held key is held; a key the pool lacks is a
     miss only when the agent has no secondary tier, else only the agent can say (None);
-    and nothing is answered from the index of an agent that is gone."""
+    and nothing is answered from the index of an agent that is gone. `finder`, made once
+    per scheduler step, answers alike: one made after the agent went answers nothing."""
     fs = {"name": "fs", "filesystem": {"path": str(scratch / "fs"), "capacity": "64Mi"}}
     for tiers, absent in (([], False), ([fs], None)):
         config = make_config(
@@ -173,7 +174,11 @@ def test_the_index_answers_a_key_alone_only_where_the_agent_has_nothing_to_add(
         wait_settled(client)
         held, missing = digests(NS, [key(0), key(1)]).tolist()
         assert (client.find(held), client.find(missing)) == (True, absent)
+        step = client.finder()
+        assert (step(held), step(missing)) == (True, absent)
         agent.kill()
         time.sleep(2 * ALIVE_SECONDS)
         assert (client.find(held), client.find(missing)) == (None, None)
+        step = client.finder()
+        assert (step(held), step(missing)) == (None, None)
         client.close()

@@ -34,7 +34,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,11 @@ from kvtier.shm.pool import Bytes, PoolMap, copy_held, copy_summed, staging_path
 from kvtier.shm.table import TableReader, digests, index_path
 
 ALIVE_SECONDS = 0.01  # per-key lookups test the agent's liveness at most this often
+
+
+def _agent_only(key_digest: int) -> None:
+    """`AgentClient.finder` where no live index answers: only the agent can say."""
+    return None
 
 
 @dataclass(frozen=True)
@@ -308,12 +313,20 @@ class AgentClient:
         scheduler thread). None when only the agent can say: there is no live index to ask
         (not connected, the agent gone or restarted), or the index does not answer alone
         (`pool_answers`). Not reported: see `reports`."""
+        return self.finder()(key_digest)
+
+    def finder(self) -> Callable[[int], bool | None]:
+        """`find` for a run of keys asked together (a scheduler step's): whether there is
+        a live index and whether it answers alone is decided once, here, and the callable
+        only probes the index. That check is what makes `find` cost twice a probe; a step's
+        lookups take far less than ALIVE_SECONDS, the staleness the check allows anyway."""
         index, hello = self.index, self.hello
         if hello is None or index is None or not index.usable_within(ALIVE_SECONDS):
-            return None
-        if index.holds(key_digest):
-            return True
-        return None if hello.tiers else False  # `pool_answers`, inlined
+            return _agent_only
+        holds = index.holds
+        if not hello.tiers:  # `pool_answers`: a key the pool lacks is a miss
+            return holds
+        return lambda key_digest: True if holds(key_digest) else None
 
     def _report_tick(self) -> None:
         """On the reporting thread: send what waits; an idle engine too lets go of a

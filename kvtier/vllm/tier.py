@@ -24,7 +24,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -219,6 +219,9 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._unsettled: list[_Asked] = []
         self._digests: dict[OffloadKey, int] = {}
         self._older_digests: dict[OffloadKey, int] = {}
+        # The published index's probe for this step's lookups (`AgentClient.finder`),
+        # made by the step's first lookup.
+        self._find: Callable[[int], bool | None] = self._first_find
         # Load jobs in flight, and the keys whose load failed (both on vLLM's side only).
         self._loads: dict[int, TransferJob] = {}
         self._failed: dict[OffloadKey, _FailedLoad] = {}
@@ -309,7 +312,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
             key_digest = self._digests.get(key)
             if key_digest is None:
                 key_digest = self._digest(key, asked)
-            held = self._client.find(key_digest)
+            held = self._find(key_digest)
             if held is not None:
                 if key not in asked.answered:
                     asked.answered.add(key)
@@ -321,6 +324,12 @@ class KVTierSecondaryTier(SecondaryTierManager):
         if found is None:
             return RETRY
         return HIT if found else MISS
+
+    def _first_find(self, key_digest: int) -> bool | None:
+        """The step's first probe of the index: it makes the probe the step's other
+        lookups use (whether the index is live and answers alone, asked once a step)."""
+        self._find = self._client.finder()
+        return self._find(key_digest)
 
     def _asking(self, req_context: ReqContext, asked: _Asked | None) -> _Asked:
         """The request's record, made on its first lookup (or taken over by a new context
@@ -395,6 +404,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
             failed.requests.discard(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._find = self._first_find
         now = time.monotonic()
         if self._failed:
             self._failed = {k: f for k, f in self._failed.items() if f.requests or f.until > now}
@@ -558,6 +568,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
     def _lost(self, exc: Exception) -> None:
         """The agent did not answer: misses until it does (the next call says hello)."""
         self._client.disconnected()
+        self._find = self._first_find
         self._set_available(False, str(exc))
 
     def _refused(self, op: str, exc: AgentRefused) -> None:

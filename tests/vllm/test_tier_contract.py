@@ -194,7 +194,8 @@ def break_copies(
 def answer_through_the_agent(tier: KVTierSecondaryTier, monkeypatch: pytest.MonkeyPatch) -> None:
     """No published index to read (before the first hello, or while an agent restarts):
     every lookup goes to the agent through vLLM's async-lookup helper (RETRY first)."""
-    monkeypatch.setattr(tier._client, "find", lambda digest: None)
+    monkeypatch.setattr(tier._client, "finder", lambda: lambda digest: None)
+    tier.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
 
 
 # --- lookups, stores, loads -------------------------------------------------------------
