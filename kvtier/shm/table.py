@@ -446,38 +446,40 @@ class TableReader:
     def find(self, ds: U64) -> tuple[npt.NDArray[np.int64], U64]:
         """Slots and generations of digests `ds`: slot -1 where the table holds none.
 
-        One gather reads every key's probe window; the positions that hold a wanted digest
-        are then read under their seqlocks. Keys whose window neither holds their digest nor
-        ends their cluster read the next window, a few rounds at most; the rare key still
-        unresolved then (caught mid-write, or missed while entries moved) is probed again
-        on its own (`find_one`).
+        Each key's home position is read first, under its seqlock: at a load of at most 1/2
+        most keys are settled there (their digest, or an empty home: no key lies past an
+        empty position of its cluster), for a few gathers of one position per key. The
+        others read their probe windows: one gather reads every such key's window, and the
+        positions that hold a wanted digest are read under their seqlocks. Keys whose window
+        neither holds their digest nor ends their cluster read the next window, a few rounds
+        at most; the rare key still unresolved then (caught mid-write, or missed while
+        entries moved) is probed again on its own (`find_one`).
         """
         base = (ds & self._mask).astype(np.intp)
-        slots, gens, again = self._probe(ds, base)
-        if not again.any():  # the common case: every key resolved in its first window
+        slots, gens, again = self._probe_home(ds, base)
+        if not again.any():  # the common case: every key settled at its home
             return slots, gens
         todo = np.flatnonzero(again)
-        for _ in range(2):
+        base = base[todo]
+        for _ in range(3):
             want = ds[todo]
-            base = np.minimum(base[again] + WINDOW, self._last)
             got, gen, again = self._probe(want, base)
             slots[todo], gens[todo] = got, gen
-            todo = todo[again]
+            todo, base = todo[again], base[again]
             if not len(todo):
                 return slots, gens
+            base = np.minimum(base + WINDOW, self._last)
         for i in todo.tolist():
             slots[i], gens[i] = self.find_one(int(ds[i]))
         return slots, gens
 
-    def _probe(
-        self, want: U64, base: npt.NDArray[np.intp]
-    ) -> tuple[npt.NDArray[np.int64], U64, npt.NDArray[np.bool_]]:
-        """One probe round: (slots, generations, which keys need another round)."""
+    def _read(
+        self, want: U64, pos: npt.NDArray[np.intp]
+    ) -> tuple[npt.NDArray[np.int64], U64, U64, npt.NDArray[np.bool_], bool]:
+        """The entries at `pos` read under their seqlocks: (slots, generations, the digests
+        seen, which held `want` read whole, whether no entry moved meanwhile)."""
         m = self._map
         moves = self._moves()
-        rows = self._windows[base]
-        match = rows == want[:, None]
-        pos = base + match.argmax(axis=1)
         meta1 = m.meta[pos]
         seen = m.digest[pos]
         gens = m.gen[pos]
@@ -486,7 +488,26 @@ class TableReader:
         slots = np.where(good, (meta2 >> np.uint64(32)).astype(np.int64), -1)
         gens[~good] = 0
         after = self._moves()
-        if after != moves or after & 1:
+        return slots, gens, seen, good, after == moves and not after & 1
+
+    def _probe_home(
+        self, want: U64, base: npt.NDArray[np.intp]
+    ) -> tuple[npt.NDArray[np.int64], U64, npt.NDArray[np.bool_]]:
+        """Each key's home position: (slots, generations, which keys need their window)."""
+        slots, gens, seen, good, still = self._read(want, base)
+        if not still:
+            return slots, gens, ~good
+        return slots, gens, ~good & (seen != 0)
+
+    def _probe(
+        self, want: U64, base: npt.NDArray[np.intp]
+    ) -> tuple[npt.NDArray[np.int64], U64, npt.NDArray[np.bool_]]:
+        """One probe round of whole windows: (slots, generations, which keys need another
+        round)."""
+        rows = self._windows[base]
+        match = rows == want[:, None]
+        slots, gens, _, good, still = self._read(want, base + match.argmax(axis=1))
+        if not still:
             return slots, gens, ~good
         # Not read whole although its digest is there (caught mid-write), or no empty
         # position ends its cluster within the window (the key may lie further). Boolean
