@@ -156,7 +156,8 @@ def test_the_index_answers_a_key_alone_only_where_the_agent_has_nothing_to_add(
     """`find`, the plug-in's per-key question: a held key is held; a key the pool lacks is a
     miss only when the agent has no secondary tier, else only the agent can say (None);
     and nothing is answered from the index of an agent that is gone. `finder`, made once
-    per scheduler step, answers alike: one made after the agent went answers nothing."""
+    per scheduler step, answers alike: one made after the agent went answers nothing, and
+    one made before stops answering the moment a restarted agent retires the index."""
     fs = {"name": "fs", "filesystem": {"path": str(scratch / "fs"), "capacity": "64Mi"}}
     for tiers, absent in (([], False), ([fs], None)):
         config = make_config(
@@ -179,6 +180,11 @@ def test_the_index_answers_a_key_alone_only_where_the_agent_has_nothing_to_add(
         agent.kill()
         time.sleep(2 * ALIVE_SECONDS)
         assert (client.find(held), client.find(missing)) == (None, None)
-        step = client.finder()
-        assert (step(held), step(missing)) == (None, None)
+        assert client.finder()(held) is None
+        # A finder made while the agent ran answers from its index until a restarted agent
+        # retires it (or this client's hello goes): then it answers nothing.
+        assert step(held) is True
+        agent_factory(config)
+        polling.wait_for(lambda step=step, held=held: step(held) is None, 10, interval=0.01)
+        assert step(missing) is None
         client.close()

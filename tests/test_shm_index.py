@@ -69,6 +69,35 @@ def test_table_agrees_with_a_dict(ops: list[tuple[bool, int, int]]) -> None:
         path.unlink(missing_ok=True)
 
 
+def test_a_cluster_longer_than_the_probe_rounds_is_found_whole() -> None:
+    """Keys of a few homes filling a cluster past the batched rounds' three windows: the
+    last ones are found by `find_one`, and after removals from the middle (entries shifted
+    back) every key left is found, and no removed one."""
+    path = Path(f"/dev/shm/kvtier-test-index-long-{os.getpid()}")
+    writer = s.TableWriter(path, slot_count=64, boot=5)
+    reader = s.TableReader(path)
+    try:
+        model = {}
+        for n in range(60):
+            d = (n + 1) << 32 | (5 + n % 3)  # homes 5, 6 and 7
+            assert writer.put(d, n, 500 + n)
+            model[d] = (n, 500 + n)
+        assert len(model) > 3 * s.WINDOW
+        for removed in ((), range(10, 40, 3)):
+            for n in removed:
+                d = (n + 1) << 32 | (5 + n % 3)
+                writer.remove(d)
+                del model[d]
+            probe = [(n + 1) << 32 | (5 + n % 3) for n in range(60)]
+            slots, gens = reader.find(np.array(probe, np.uint64))
+            got = list(zip(slots.tolist(), gens.tolist(), strict=True))
+            assert got == [model.get(d, (-1, 0)) for d in probe]
+    finally:
+        writer.close()
+        reader.close()
+        path.unlink(missing_ok=True)
+
+
 def test_a_second_chunk_with_a_taken_digest_is_not_published() -> None:
     path = Path("/dev/shm") / f"kvtier-test-index-dup-{os.getpid()}"
     writer = s.TableWriter(path, slot_count=8, boot=1)

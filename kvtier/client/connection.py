@@ -316,17 +316,25 @@ class AgentClient:
         return self.finder()(key_digest)
 
     def finder(self) -> Callable[[int], bool | None]:
-        """`find` for a run of keys asked together (a scheduler step's): whether there is
-        a live index and whether it answers alone is decided once, here, and the callable
-        only probes the index. That check is what makes `find` cost twice a probe; a step's
-        lookups take far less than ALIVE_SECONDS, the staleness the check allows anyway."""
+        """`find` for a run of keys asked together (a scheduler step's): whether the agent
+        process still runs (a system call, at most once per ALIVE_SECONDS) and whether the
+        index answers alone are decided once, here. Each key then costs a probe and two
+        reads: whether this connection still holds the hello the finder was made under,
+        and whether a restarted agent retired the index (`TableReader.holds_live`); either
+        makes every later key None, as `find` answers."""
         index, hello = self.index, self.hello
         if hello is None or index is None or not index.usable_within(ALIVE_SECONDS):
             return _agent_only
-        holds = index.holds
-        if not hello.tiers:  # `pool_answers`: a key the pool lacks is a miss
-            return holds
-        return lambda key_digest: True if holds(key_digest) else None
+        holds = index.holds_live
+        alone = not hello.tiers  # `pool_answers`: a key the pool lacks is a miss
+
+        def find(key_digest: int) -> bool | None:
+            if self.hello is not hello:
+                return None
+            held = holds(key_digest)
+            return held if alone or held else None
+
+        return find
 
     def _report_tick(self) -> None:
         """On the reporting thread: send what waits; an idle engine too lets go of a

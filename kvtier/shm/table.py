@@ -74,6 +74,7 @@ MOVES_OFFSET = 64  # u64: odd while the agent shifts entries
 RETIRED_OFFSET = 72  # u64: nonzero once a newer agent process replaced this table
 ENTRIES_OFFSET = 80  # u64: entries published (informational)
 _MOVES_WORD = MOVES_OFFSET // 8
+_RETIRED_WORD = RETIRED_OFFSET // 8
 _MASK = (1 << 64) - 1
 _K_LEN = 0x9E3779B97F4A7C15
 _K_WORD = 0xC2B2AE3D27D4EB4F
@@ -384,11 +385,11 @@ class TableReader:
 
     @property
     def retired(self) -> bool:
-        return bool(self._words[RETIRED_OFFSET // 8])
+        return bool(self._words[_RETIRED_WORD])
 
     def usable_within(self, seconds: float) -> bool:
         """Not `retired`, and `alive_within(seconds)` (inlined): what a per-key caller tests."""
-        if self._words[RETIRED_OFFSET // 8]:
+        if self._words[_RETIRED_WORD]:
             return False
         now = time.monotonic()
         if now - self._alive_at > seconds:
@@ -461,14 +462,14 @@ class TableReader:
             return slots, gens
         todo = np.flatnonzero(again)
         base = base[todo]
-        for _ in range(3):
-            want = ds[todo]
-            got, gen, again = self._probe(want, base)
+        for rnd in range(3):
+            if rnd:
+                base = np.minimum(base + WINDOW, self._last)
+            got, gen, again = self._probe(ds[todo], base)
             slots[todo], gens[todo] = got, gen
             todo, base = todo[again], base[again]
             if not len(todo):
                 return slots, gens
-            base = np.minimum(base + WINDOW, self._last)
         for i in todo.tolist():
             slots[i], gens[i] = self.find_one(int(ds[i]))
         return slots, gens
@@ -541,6 +542,14 @@ class TableReader:
         else:
             return False
         return self.find_one(d)[0] >= 0
+
+    def holds_live(self, d: int) -> bool | None:
+        """`holds`, or None once a newer agent process retired this table: the test a
+        per-key caller that keeps this reader between its liveness checks makes (one read
+        of the header), so a restart is noticed at the next key."""
+        if self._words[_RETIRED_WORD]:
+            return None
+        return self.holds(d)
 
     def find_one(self, d: int, rounds: int = 4) -> tuple[int, int]:
         """`find` for one digest, in plain integers (the plug-in asks per key)."""

@@ -48,7 +48,7 @@ from kvtier.bench.vllm_scheduler import (
 )
 from kvtier.client import connection
 from kvtier.client import protocol as p
-from kvtier.client.connection import AgentClient
+from kvtier.client.connection import AgentClient, AgentUnavailable
 from kvtier.local.agent import AgentProcess
 from kvtier.vllm import tier as plugin
 from kvtier.vllm.tier import KVTierSecondaryTier
@@ -199,6 +199,27 @@ def answer_through_the_agent(tier: KVTierSecondaryTier, monkeypatch: pytest.Monk
 
 
 # --- lookups, stores, loads -------------------------------------------------------------
+
+
+def test_the_index_is_checked_once_a_step_and_again_after_an_outage(
+    driver: Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's lookups ask the client for its index's finder once (the liveness check is
+    a system call), every step anew, and again after the agent was found unreachable."""
+    tier, keys = driver.tier, [chunk_key(i) for i in range(4)]
+    assert driver.store(keys[:2], [0, 1]).success
+    made = []
+    finder = tier._client.finder
+    monkeypatch.setattr(tier._client, "finder", lambda: made.append(1) or finder())
+    driver.step()
+    for expected in (1, 2):
+        assert [tier.lookup(k, driver.ctx) for k in keys] == [HIT, HIT, MISS, MISS]
+        assert len(made) == expected
+        driver.step()
+    tier.lookup(keys[0], driver.ctx)
+    tier._lost(AgentUnavailable("gone"))
+    tier.lookup(keys[0], driver.ctx)
+    assert len(made) == 4
 
 
 def test_store_then_lookup_hits_and_a_load_leaves_the_chunk(driver: Driver) -> None:
