@@ -452,7 +452,8 @@ class TableReader:
         empty position of its cluster), for a few gathers of one position per key. The
         others read their probe windows: one gather reads every such key's window, and the
         positions that hold a wanted digest are read under their seqlocks. Keys whose window
-        neither holds their digest nor ends their cluster read the next window, a few rounds
+        neither holds their digest nor ends their cluster read the next window (the same one
+        again where entries moved meanwhile: they may have moved back into it), a few rounds
         at most; the rare key still unresolved then (caught mid-write, or missed while
         entries moved) is probed again on its own (`find_one`).
         """
@@ -462,14 +463,14 @@ class TableReader:
             return slots, gens
         todo = np.flatnonzero(again)
         base = base[todo]
-        for rnd in range(3):
-            if rnd:
-                base = np.minimum(base + WINDOW, self._last)
-            got, gen, again = self._probe(ds[todo], base)
+        for _ in range(3):
+            got, gen, again, still = self._probe(ds[todo], base)
             slots[todo], gens[todo] = got, gen
             todo, base = todo[again], base[again]
             if not len(todo):
                 return slots, gens
+            if still:  # else entries moved meanwhile, maybe back into this window: again
+                base = np.minimum(base + WINDOW, self._last)
         for i in todo.tolist():
             slots[i], gens[i] = self.find_one(int(ds[i]))
         return slots, gens
@@ -502,20 +503,20 @@ class TableReader:
 
     def _probe(
         self, want: U64, base: npt.NDArray[np.intp]
-    ) -> tuple[npt.NDArray[np.int64], U64, npt.NDArray[np.bool_]]:
+    ) -> tuple[npt.NDArray[np.int64], U64, npt.NDArray[np.bool_], bool]:
         """One probe round of whole windows: (slots, generations, which keys need another
-        round)."""
+        round, whether no entry moved meanwhile)."""
         rows = self._windows[base]
         match = rows == want[:, None]
         slots, gens, _, good, still = self._read(want, base + match.argmax(axis=1))
         if not still:
-            return slots, gens, ~good
+            return slots, gens, ~good, False
         # Not read whole although its digest is there (caught mid-write), or no empty
         # position ends its cluster within the window (the key may lie further). Boolean
         # rows are tested 8 at a time as u64 words: numpy's any() is several times slower.
         found = _any_rows(match)
         ended = _any_rows(rows == 0)
-        return slots, gens, ~good & (found | ~ended)
+        return slots, gens, ~good & (found | ~ended), True
 
     def holds(self, d: int) -> bool:
         """Whether the table holds digest `d`: `find_one`'s slot is not -1. Its first probe
