@@ -309,10 +309,11 @@ class AgentClient:
 
     def find(self, key_digest: int) -> bool | None:
         """Whether the pool holds the key of index digest `key_digest` (`shm.table.digest`),
-        from the published index, without ever blocking (the plug-in asks on vLLM's
-        scheduler thread). None when only the agent can say: there is no live index to ask
-        (not connected, the agent gone or restarted), or the index does not answer alone
-        (`pool_answers`). Not reported: see `reports`."""
+        from the published index, without ever blocking. None when only the agent can say:
+        there is no live index to ask (not connected, the agent gone or restarted), or the
+        index does not answer alone (`pool_answers`). Not reported: see `reports`. One key's
+        question: keys asked together (the plug-in's, on vLLM's scheduler thread) use one
+        `finder`, which makes these checks once."""
         return self.finder()(key_digest)
 
     def finder(self) -> Callable[[int], bool | None]:
