@@ -7,18 +7,27 @@ them can take over at once. Which one evicts is decided by shadow caches: for ea
 candidate, a copy of it at `rate` times the pool's size, fed only the chunks whose key
 hashes below `rate` (a scaled-down copy of the traffic, as SHARDS samples miss-ratio
 curves; `rate` is 1 for pools of up to 4,096 chunks and 4,096 chunks' worth above; the key's
-hash is scrambled first, so the slice is a random one whatever the ids). A shadow counts the
-hits it would have had, a request's hits up to its first sampled miss (a request without
-hits starts afresh at its store from the root), with a decay of about twelve shadow pools'
-worth of accesses; the leader changes when another shadow is ahead by 0.3%. The shadows'
-chains are the sampled chunks of a request in order. Tuned on seed 1 of the trace suite
-(`python -m kvtier.bench.eviction`): a margin of 2% kept the first leader where the others
-were ahead by less; 1,024-chunk shadows were too noisy above 1,024 blocks; a decay over
-four pools followed noise, over 32 too slowly.
+hash is scrambled first, so the slice is a random one whatever the ids). A request is a
+lookup's hits and the store after it, its chunks hung from their parents (among the hits,
+or the root); each shadow takes the request's sampled
+chunks as the index would tell its policy and counts the hits it would have had, up to its
+first miss, with a decay of about twelve shadow pools' worth of accesses. Told the same
+calls in the same order, a full-size shadow is its policy alone on the same traffic.
+
+The leader changes only when another shadow is ahead by more than the noise between the
+two: the decayed sum of the squared differences of their hits per request, square-rooted
+(a paired test; both shadows see the same requests, so most of their noise is shared).
+Candidates within noise of each other would otherwise trade the lead back and forth, and
+each change hands a pool shaped by one policy to another, a cost no shadow sees. Where the
+shadows are full size (`rate` 1) the pool also takes the leader's shape: a chunk the
+leader's shadow has evicted goes first, so after a change the pool converges on the
+leader's own contents and then evicts as it does. `arc` leads first: it was the best of the
+three at most budgets of the trace suite (`python -m kvtier.bench.eviction`).
 
 What it costs: every candidate's state for every resident chunk, plus the shadows (a few
 thousand entries whatever the pool), and each access reaches every candidate. Its state
-and decisions (`leader`, `switches`, each shadow's score) are in `describe`.
+and decisions (`leader`, `switches`, each shadow's score, the chunks still to converge) are
+in `describe`.
 """
 
 from __future__ import annotations
@@ -31,8 +40,8 @@ from kvtier.agent.host.policy.base import ChunkId, EvictionPolicy
 from kvtier.agent.host.policy.prefix import PrefixPolicy
 
 SHADOW_CHUNKS = 4096
-MARGIN = 1.003
 DECAY_POOLS = 12
+NOISE = 0.25  # how many of the noise's deviations a new leader must be ahead by
 _FIB = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 
@@ -78,51 +87,58 @@ class _Shadow:
         self.policy = policy
         self.resident: set[ChunkId] = set()
         self.score = 0.0
+        self.hits = 0  # in the last request
+        self.evicted: list[ChunkId] = []  # since the owner last cleared it
 
-    def accesses(
-        self, chunks: Sequence[ChunkId], last: ChunkId | None, decay: float, alive: bool
-    ) -> bool:
-        """A request's sampled accesses in order, `last` the sampled chunk before them;
-        hits count only while the request's sampled prefix is alive. Whether it still is.
-        Shadows are independent of each other, so each takes a request's accesses at once."""
+    def request(self, path: Sequence[ChunkId], fade: float) -> None:
+        """A request's sampled chunks in order, told to the policy as the index tells the
+        pool's: the held ones as one batch of hits, the rest (all after the first miss) as
+        one store, each chunk with the one before it as its parent and an eviction for
+        each, the hit prefix and the store's own chunks never evicted. It hits up to its
+        first miss; the score is of hits decaying by `fade` a request."""
         policy, resident = self.policy, self.resident
-        on_hit, on_parents, on_insert, evict = (
-            policy.on_hit,
-            policy.on_parents,
-            policy.on_insert,
-            policy.evict,
-        )
-        capacity, score = policy.capacity, self.score
-        for chunk in chunks:
-            score *= decay
-            if chunk in resident:
-                on_hit(chunk)
-                if alive:
-                    score += 1.0
-            else:
-                alive = False
-                on_parents(((chunk, last),))
-                if len(resident) >= capacity:
-                    victim = evict(_always, chunk)
-                    if victim is None:
-                        last = chunk
-                        continue
-                    resident.discard(victim)
-                resident.add(chunk)
-                on_insert(chunk)
-            last = chunk
-        self.score = score
-        return alive
-
-
-def _always(_chunk: ChunkId) -> bool:
-    return True
+        hits = 0
+        for chunk in path:
+            if chunk not in resident:
+                break
+            hits += 1
+        self.hits, self.score = hits, self.score * fade + hits
+        held = [chunk for chunk in path if chunk in resident]
+        if held:
+            policy.on_hits(held)
+        if hits == len(path):
+            return
+        todo = path[hits:]
+        parents = [path[hits - 1] if hits else None, *todo[:-1]]
+        pairs = [(c, p) for c, p in zip(todo, parents, strict=True) if c not in resident]
+        policy.on_parents(pairs)
+        pinned = set(path[:hits])
+        evict, capacity, stored = policy.evict, policy.capacity, []
+        for chunk, _ in pairs:
+            if len(resident) >= capacity:
+                victim = evict(lambda c: c not in pinned, chunk)
+                if victim is None:
+                    continue
+                resident.discard(victim)
+                self.evicted.append(victim)
+            resident.add(chunk)
+            pinned.add(chunk)
+            stored.append(chunk)
+        if stored:
+            policy.on_inserts(stored)
 
 
 class AdaptivePolicy(EvictionPolicy):
     name = "adaptive"
 
-    def __init__(self, capacity: int, candidates: Sequence[str] = ("lru", "prefix", "arc")) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        candidates: Sequence[str] = ("lru", "prefix", "arc"),
+        follow: bool = True,
+    ) -> None:
+        """`follow`: whether the pool takes the shape of the leader's shadow where the
+        shadows are full size (off only to measure what it brings)."""
         super().__init__(capacity)
         kinds: dict[str, type[EvictionPolicy]] = {
             "lru": KeyedLRUPolicy,
@@ -136,42 +152,96 @@ class AdaptivePolicy(EvictionPolicy):
         self.shadows = [_Shadow(kinds[n](small)) for n in self.names]
         self._threshold = int(self.rate * (1 << 32))
         self._decay = 1.0 - 1.0 / (DECAY_POOLS * small)
-        self.leader = 0
+        self.leader = self.names.index("arc") if "arc" in self.names else 0
         self.switches = 0
-        self._last: ChunkId | None = None  # the request's last sampled chunk
-        self._alive = [True] * len(self.shadows)
+        self._hits: list[ChunkId] = []  # the last lookup's hits, not yet told the shadows
+        self._told: dict[ChunkId, None] = {}  # stored chunks the shadows were told of
+        n = len(self.shadows)
+        self._pairs = [(j, k) for j in range(n) for k in range(j + 1, n)]
+        self._spread = [[0.0] * n for _ in range(n)]  # decayed squared hit differences
+        # Where the shadows are full size and there is a leader to change: the resident
+        # chunks the leader's shadow does not hold, evicted first (leaves only, in the order
+        # they became so). The `lru` member knows the resident chunks and their tree.
+        following = follow and self.rate == 1.0 and n > 1 and "lru" in self.names
+        lru = self.members[self.names.index("lru")] if following else None
+        self._lru = lru if isinstance(lru, KeyedLRUPolicy) else None
+        self._stale: dict[ChunkId, None] = {}
 
-    def _observe(self, chunks: Sequence[ChunkId], fresh: bool) -> None:
-        if fresh:
-            self._last = None
-            self._alive = [True] * len(self.shadows)
+    def _tell(self, path: Sequence[ChunkId]) -> None:
+        """A request's chunks in order to every shadow, then whether the lead changes."""
         if self.rate < 1.0:
             # Fibonacci hashing: Python hashes small ints to themselves, and a slice of the
             # key space must be a random one whatever the ids look like.
             below = self._threshold
-            chunks = [c for c in chunks if ((hash(c) * _FIB) & _MASK) >> 32 < below]
-        if chunks:
-            last, decay, alive = self._last, self._decay, self._alive
-            for i, shadow in enumerate(self.shadows):
-                alive[i] = shadow.accesses(chunks, last, decay, alive[i])
-            self._last = chunks[-1]
-        best = max(range(len(self.shadows)), key=lambda i: self.shadows[i].score)
-        if best != self.leader and (
-            self.shadows[best].score > MARGIN * self.shadows[self.leader].score
-        ):
+            path = [c for c in path if ((hash(c) * _FIB) & _MASK) >> 32 < below]
+        if not path:
+            return
+        shadows, fade = self.shadows, self._decay ** len(path)
+        for shadow in shadows:
+            shadow.request(path, fade)
+        spread = self._spread
+        for j, k in self._pairs:
+            d = shadows[j].hits - shadows[k].hits
+            spread[j][k] = spread[k][j] = spread[j][k] * fade + d * d
+        if self._lru is not None:
+            self._track(self._lru, shadows[self.leader], path)
+        for shadow in shadows:
+            shadow.evicted.clear()
+        lead = self.leader
+        best = max(range(len(shadows)), key=lambda i: shadows[i].score)
+        ahead = shadows[best].score - shadows[lead].score
+        if best != lead and ahead > NOISE * spread[best][lead] ** 0.5:
             self.leader = best
             self.switches += 1
+            if self._lru is not None:
+                held = shadows[best].resident
+                self._stale = dict.fromkeys(c for c in self._lru.t1 if c not in held)
+
+    def _flush(self) -> None:
+        """A lookup's hits no store followed: a request that hit whole."""
+        if self._hits:
+            hits, self._hits = self._hits, []
+            self._tell(hits)
+
+    def _track(self, lru: KeyedLRUPolicy, lead: _Shadow, chunks: Sequence[ChunkId]) -> None:
+        """What the leader's shadow just evicted, of the pool's chunks, is stale; what it
+        just took in is not."""
+        held, stale, resident = lru.t1, self._stale, lead.resident
+        for victim in lead.evicted:
+            if victim in held:
+                stale[victim] = None
+        for chunk in chunks:
+            if chunk in resident:
+                stale.pop(chunk, None)
 
     # --- what the index tells it ---------------------------------------------------------
 
     def on_parents(self, pairs: Sequence[tuple[ChunkId, ChunkId | None]]) -> None:
+        """A store about to follow the last lookup: its chunks hang from their parents
+        among the lookup's hits or from the root, which gives the request's path, and the
+        shadows see the whole request now, before the pool evicts for it. A chunk whose
+        parent is neither comes last."""
         for member in self.members:
             member.on_parents(pairs)
-        if pairs and pairs[0][1] is None:
-            # A store from the root: a new request's chain, with no hit before it (a request
-            # with hits starts afresh in `on_hits`), so every shadow's prefix is alive again.
-            self._last = None
-            self._alive = [True] * len(self.shadows)
+        if not pairs:
+            return
+        below = {p: c for c, p in pairs}  # parent -> the stored chunk after it
+        if not any(chunk in below for chunk in self._hits):
+            self._flush()  # the hits were a request of their own
+        hits, self._hits = self._hits, []
+        path: list[ChunkId] = []
+        for chunk in (None, *hits):
+            if chunk is not None:
+                path.append(chunk)
+            while chunk in below:
+                chunk = below.pop(chunk)
+                path.append(chunk)
+        path.extend(c for c, p in pairs if p in below)  # parents neither hit nor stored
+        told = self._told
+        told.update(dict.fromkeys(c for c, _ in pairs))
+        while len(told) > 2 * self.capacity:  # stores that were never committed
+            del told[next(iter(told))]
+        self._tell(path)
 
     def on_insert(self, chunk: ChunkId) -> None:
         self.on_inserts((chunk,))
@@ -179,7 +249,16 @@ class AdaptivePolicy(EvictionPolicy):
     def on_inserts(self, chunks: Sequence[ChunkId]) -> None:
         for member in self.members:
             member.on_inserts(chunks)
-        self._observe(chunks, fresh=False)
+        told = self._told
+        untold = [c for c in chunks if told.pop(c, 0) is not None]
+        if untold:  # a store that named no parents
+            self._flush()
+            self._tell(untold)
+        if self._lru is not None:
+            stale, lead = self._stale, self.shadows[self.leader].resident
+            for chunk in reversed(chunks):  # the deepest first, as a shadow evicts
+                if chunk not in lead:
+                    stale[chunk] = None
 
     def on_hit(self, chunk: ChunkId) -> None:
         self.on_hits((chunk,))
@@ -187,17 +266,37 @@ class AdaptivePolicy(EvictionPolicy):
     def on_hits(self, chunks: Sequence[ChunkId]) -> None:
         for member in self.members:
             member.on_hits(chunks)
-        self._observe(chunks, fresh=True)
+        self._flush()
+        self._hits = list(chunks)
 
     def on_remove(self, chunk: ChunkId) -> None:
         for member in self.members:
             member.on_remove(chunk)
+        self._stale.pop(chunk, None)
 
     def evict(
         self, evictable: Callable[[ChunkId], bool], incoming: ChunkId | None = None
     ) -> ChunkId | None:
+        lru, stale = self._lru, self._stale
+        if lru is not None:
+            inner = []  # held below by chunks the leader's shadow holds: the leader's now
+            for chunk in stale:
+                if lru.children_of(chunk):
+                    inner.append(chunk)
+                elif evictable(chunk):
+                    break
+            else:
+                chunk = None
+            for held in inner:
+                del stale[held]
+            if chunk is not None:
+                del stale[chunk]
+                for member in self.members:
+                    member.on_evicted(chunk)
+                return chunk
         victim = self.members[self.leader].evict(evictable, incoming)
         if victim is not None:
+            self._stale.pop(victim, None)
             for i, member in enumerate(self.members):
                 if i != self.leader:
                     member.on_evicted(victim)
@@ -214,4 +313,5 @@ class AdaptivePolicy(EvictionPolicy):
             "switches": self.switches,
             "sample_rate": self.rate,
             "scores": {n: s.score for n, s in zip(self.names, self.shadows, strict=True)},
+            "converging": len(self._stale),
         }
