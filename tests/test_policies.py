@@ -288,22 +288,28 @@ def test_adaptive_pool_takes_the_shape_of_its_leaders_shadow(tmp_path: Path) -> 
     assert 2 * apart[True] < apart[False]
 
 
-@pytest.mark.parametrize("name", ["lru", "arc"])
+@pytest.mark.parametrize("name", ["lru", "arc", "prefix"])
 def test_a_full_size_shadow_is_its_policy_alone_on_the_same_traffic(name: str) -> None:
     """The shadows rebuild each request from the lookup's hits and the store's parents and
-    tell their policy what the index would: after a replay, the `lru` and `arc` shadows
-    hold exactly what those policies hold replayed alone. (Shadows told only what the
-    pool took in, as they were once, saw a third of the conversation trace's chunks at 512
-    blocks: the leader's refusals hid the rest.)"""
+    tell their policy what the index would: after a replay, each shadow holds exactly what
+    its policy holds replayed alone, a request longer than the pool included. (Shadows told
+    only what the pool took in, as they were once, saw a third of the conversation trace's
+    chunks at 512 blocks: the leader's refusals hid the rest.)"""
     from kvtier.agent.host.policy.adaptive import AdaptivePolicy, KeyedLRUPolicy
+    from kvtier.agent.host.policy.prefix import PrefixPolicy
     from kvtier.traces.replay import load_trace, replay_direct
 
     trace = load_trace(DATA / "mooncake_conversation_3000.jsonl.gz", limit=1500)
+    assert max(trace.depth) > 64
     for blocks in (64, 700):
         policy = AdaptivePolicy(blocks)
         replay_direct(trace, policy, blocks)
-        alone = KeyedLRUPolicy(blocks) if name == "lru" else ARCPolicy(blocks)
+        kinds = {"lru": KeyedLRUPolicy, "arc": ARCPolicy, "prefix": PrefixPolicy}
+        alone = kinds[name](blocks)
         replay_direct(trace, alone, blocks)
         shadow = policy.shadows[policy.names.index(name)]
-        assert shadow.resident == set(alone.t1) | set(alone.t2)
+        held = set(alone._state) if isinstance(alone, PrefixPolicy) else set(alone.t1)
+        if isinstance(alone, ARCPolicy):
+            held |= set(alone.t2)
+        assert shadow.resident == held
         assert len(shadow.resident) == blocks

@@ -238,9 +238,11 @@ class AdaptivePolicy(EvictionPolicy):
                 path.append(chunk)
         path.extend(c for c, p in pairs if p in below)  # parents neither hit nor stored
         told = self._told
-        told.update(dict.fromkeys(c for c, _ in pairs))
-        while len(told) > 2 * self.capacity:  # stores that were never committed
+        while len(told) > 2 * self.capacity:  # stores never committed, chunks refused
             del told[next(iter(told))]
+        for chunk, _ in pairs:  # this store's whole, and newest, however long
+            told.pop(chunk, None)
+            told[chunk] = None
         self._tell(path)
 
     def on_insert(self, chunk: ChunkId) -> None:
