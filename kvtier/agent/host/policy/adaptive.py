@@ -9,10 +9,10 @@ hashes below `rate` (a scaled-down copy of the traffic, as SHARDS samples miss-r
 curves; `rate` is 1 for pools of up to 4,096 chunks and 4,096 chunks' worth above; the key's
 hash is scrambled first, so the slice is a random one whatever the ids). A request is a
 lookup's hits and the store after it, its chunks hung from their parents (among the hits,
-or the root); each shadow takes the request's sampled
-chunks as the index would tell its policy and counts the hits it would have had, up to its
-first miss, with a decay of about twelve shadow pools' worth of accesses. Told the same
-calls in the same order, a full-size shadow is its policy alone on the same traffic.
+or the root); each shadow takes the request's sampled chunks as the index would tell its
+policy and counts the hits it would have had, up to its first miss, with a decay of about
+twelve shadow pools' worth of accesses. Told the same calls in the same order, a full-size
+shadow is its policy alone on the same traffic.
 
 The leader changes only when another shadow is ahead by more than the noise between the
 two: the decayed sum of the squared differences of their hits per request, square-rooted
