@@ -313,3 +313,16 @@ def test_a_full_size_shadow_is_its_policy_alone_on_the_same_traffic(name: str) -
             held |= set(alone.t2)
         assert shadow.resident == held
         assert len(shadow.resident) == blocks
+
+
+def test_adaptive_shadows_see_every_chunk_of_a_store_with_two_chains() -> None:
+    """A store may name no parent for several of its chunks (the index passes None where a
+    client named none): each chain still reaches the shadows, none lost to another."""
+    from kvtier.agent.host.policy import AdaptivePolicy
+
+    policy = AdaptivePolicy(16)
+    pairs = [("x1", None), ("x2", "x1"), ("y1", None), ("y2", "y1"), ("z", "x1")]
+    policy.on_parents(pairs)
+    policy.on_inserts([c for c, _ in pairs])
+    for shadow in policy.shadows:
+        assert shadow.resident == {"x1", "x2", "y1", "y2", "z"}

@@ -12,17 +12,20 @@ lookup's hits and the store after it, its chunks hung from their parents (among 
 or the root); each shadow takes the request's sampled chunks as the index would tell its
 policy and counts the hits it would have had, up to its first miss, with a decay of about
 twelve shadow pools' worth of accesses. Told the same calls in the same order, a full-size
-shadow is its policy alone on the same traffic.
+shadow is its policy alone on the same traffic: exactly so in a replay; in the agent, where
+lookups' hits reach the policy in batches and a client stores in rounds, the requests are
+rebuilt only roughly.
 
-The leader changes only when another shadow is ahead by more than the noise between the
-two: the decayed sum of the squared differences of their hits per request, square-rooted
-(a paired test; both shadows see the same requests, so most of their noise is shared).
-Candidates within noise of each other would otherwise trade the lead back and forth, and
-each change hands a pool shaped by one policy to another, a cost no shadow sees. Where the
-shadows are full size (`rate` 1) the pool also takes the leader's shape: a chunk the
-leader's shadow has evicted goes first, so after a change the pool converges on the
-leader's own contents and then evicts as it does. `arc` leads first: it was the best of the
-three at most budgets of the trace suite (`python -m kvtier.bench.eviction`).
+The leader changes only when another shadow is ahead by more than `NOISE` times the noise
+between the two: the decayed sum of the squared differences of their hits per request,
+square-rooted (a paired test; both shadows see the same requests, so most of their noise is
+shared). Candidates within noise of each other would otherwise trade the lead back and
+forth, and each change hands a pool shaped by one policy to another, a cost no shadow sees.
+Where the shadows are the pool's size (`rate` 1, 8 chunks or more) the pool also takes the
+leader's shape: a chunk the leader's shadow has evicted goes first, so after a change the
+pool converges on the leader's own contents and then evicts as it does. `arc` leads first:
+it was the best of the three at most budgets of the trace suite
+(`python -m kvtier.bench.eviction`).
 
 What it costs: every candidate's state for every resident chunk, plus the shadows (a few
 thousand entries whatever the pool), and each access reaches every candidate. Its state
@@ -159,10 +162,11 @@ class AdaptivePolicy(EvictionPolicy):
         n = len(self.shadows)
         self._pairs = [(j, k) for j in range(n) for k in range(j + 1, n)]
         self._spread = [[0.0] * n for _ in range(n)]  # decayed squared hit differences
-        # Where the shadows are full size and there is a leader to change: the resident
-        # chunks the leader's shadow does not hold, evicted first (leaves only, in the order
-        # they became so). The `lru` member knows the resident chunks and their tree.
-        following = follow and self.rate == 1.0 and n > 1 and "lru" in self.names
+        # Where the shadows are the pool's size and there is a leader to change: the
+        # resident chunks the leader's shadow does not hold, evicted first, in the order
+        # they were found so (one with children in the pool is left to the leader's order).
+        # The `lru` member knows the pool's chunks and its tree.
+        following = follow and small == capacity and n > 1 and "lru" in self.names
         lru = self.members[self.names.index("lru")] if following else None
         self._lru = lru if isinstance(lru, KeyedLRUPolicy) else None
         self._stale: dict[ChunkId, None] = {}
@@ -236,7 +240,8 @@ class AdaptivePolicy(EvictionPolicy):
             while chunk in below:
                 chunk = below.pop(chunk)
                 path.append(chunk)
-        path.extend(c for c, p in pairs if p in below)  # parents neither hit nor stored
+        placed = set(path)
+        path.extend(c for c, _ in pairs if c not in placed)  # hung from neither
         told = self._told
         while len(told) > 2 * self.capacity:  # stores never committed, chunks refused
             del told[next(iter(told))]
@@ -281,7 +286,7 @@ class AdaptivePolicy(EvictionPolicy):
     ) -> ChunkId | None:
         lru, stale = self._lru, self._stale
         if lru is not None:
-            inner = []  # held below by chunks the leader's shadow holds: the leader's now
+            inner = []  # with children in the pool: left to the leader's order
             for chunk in stale:
                 if lru.children_of(chunk):
                     inner.append(chunk)
