@@ -35,6 +35,7 @@ in `describe`.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,8 +57,13 @@ class KeyedLRUPolicy(ARCPolicy):
     name = "lru"
 
     def on_hit(self, chunk: ChunkId) -> None:
-        if chunk in self.t1:
-            self.t1.move_to_end(chunk)
+        self.on_hits((chunk,))
+
+    def on_hits(self, chunks: Sequence[ChunkId]) -> None:
+        t1 = self.t1
+        for chunk in reversed(chunks):
+            if chunk in t1:
+                t1.move_to_end(chunk)
 
     def on_insert(self, chunk: ChunkId) -> None:
         t1 = self.t1
@@ -69,7 +75,8 @@ class KeyedLRUPolicy(ARCPolicy):
         t1[chunk] = None
 
     def on_evicted(self, chunk: ChunkId) -> None:
-        self.on_remove(chunk)
+        if self.t1.pop(chunk, 0) is None:
+            self._leave(chunk)
 
     def evict(
         self, evictable: Callable[[ChunkId], bool], incoming: ChunkId | None = None
@@ -106,24 +113,29 @@ class _Shadow:
                 break
             hits += 1
         self.hits, self.score = hits, self.score * fade + hits
+        if hits == len(path):
+            policy.on_hits(path)
+            return
         held = [chunk for chunk in path if chunk in resident]
         if held:
             policy.on_hits(held)
-        if hits == len(path):
-            return
         todo = path[hits:]
         parents = [path[hits - 1] if hits else None, *todo[:-1]]
         pairs = [(c, p) for c, p in zip(todo, parents, strict=True) if c not in resident]
         policy.on_parents(pairs)
         pinned = set(path[:hits])
-        evict, capacity, stored = policy.evict, policy.capacity, []
+        evict, capacity, stored, evicted = policy.evict, policy.capacity, [], self.evicted
+
+        def evictable(c: ChunkId) -> bool:
+            return c not in pinned
+
         for chunk, _ in pairs:
             if len(resident) >= capacity:
-                victim = evict(lambda c: c not in pinned, chunk)
+                victim = evict(evictable, chunk)
                 if victim is None:
                     continue
                 resident.discard(victim)
-                self.evicted.append(victim)
+                evicted.append(victim)
             resident.add(chunk)
             pinned.add(chunk)
             stored.append(chunk)
@@ -158,7 +170,9 @@ class AdaptivePolicy(EvictionPolicy):
         self.leader = self.names.index("arc") if "arc" in self.names else 0
         self.switches = 0
         self._hits: list[ChunkId] = []  # the last lookup's hits, not yet told the shadows
-        self._told: dict[ChunkId, None] = {}  # stored chunks the shadows were told of
+        # Stored chunks the shadows were told of, oldest first (an OrderedDict: a dict's
+        # iterator walks past every deleted entry, so trimming its front grows quadratic).
+        self._told: OrderedDict[ChunkId, None] = OrderedDict()
         n = len(self.shadows)
         self._pairs = [(j, k) for j in range(n) for k in range(j + 1, n)]
         self._spread = [[0.0] * n for _ in range(n)]  # decayed squared hit differences
@@ -169,7 +183,7 @@ class AdaptivePolicy(EvictionPolicy):
         following = follow and small == capacity and n > 1 and "lru" in self.names
         lru = self.members[self.names.index("lru")] if following else None
         self._lru = lru if isinstance(lru, KeyedLRUPolicy) else None
-        self._stale: dict[ChunkId, None] = {}
+        self._stale: OrderedDict[ChunkId, None] = OrderedDict()  # (trimmed at its front)
 
     def _tell(self, path: Sequence[ChunkId]) -> None:
         """A request's chunks in order to every shadow, then whether the lead changes."""
@@ -199,7 +213,7 @@ class AdaptivePolicy(EvictionPolicy):
             self.switches += 1
             if self._lru is not None:
                 held = shadows[best].resident
-                self._stale = dict.fromkeys(c for c in self._lru.t1 if c not in held)
+                self._stale = OrderedDict.fromkeys(c for c in self._lru.t1 if c not in held)
 
     def _flush(self) -> None:
         """A lookup's hits no store followed: a request that hit whole."""
@@ -244,7 +258,7 @@ class AdaptivePolicy(EvictionPolicy):
         path.extend(c for c, _ in pairs if c not in placed)  # hung from neither
         told = self._told
         while len(told) > 2 * self.capacity:  # stores never committed, chunks refused
-            del told[next(iter(told))]
+            told.popitem(last=False)
         for chunk, _ in pairs:  # this store's whole, and newest, however long
             told.pop(chunk, None)
             told[chunk] = None
@@ -287,8 +301,9 @@ class AdaptivePolicy(EvictionPolicy):
         lru, stale = self._lru, self._stale
         if lru is not None:
             inner = []  # with children in the pool: left to the leader's order
+            kids = lru._kids
             for chunk in stale:
-                if lru.children_of(chunk):
+                if chunk in kids:
                     inner.append(chunk)
                 elif evictable(chunk):
                     break

@@ -65,9 +65,15 @@ class ARCPolicy(EvictionPolicy):
             announced.popitem(last=False)
 
     def on_hits(self, chunks: Sequence[ChunkId]) -> None:
-        """Leaf first, so each parent ends more recent than its children."""
+        """Leaf first, so each parent ends more recent than its children (`on_hit`, inlined:
+        every lookup's hits come here)."""
+        t1, t2 = self.t1, self.t2
         for chunk in reversed(chunks):
-            self.on_hit(chunk)
+            if chunk in t1:
+                del t1[chunk]
+                t2[chunk] = None
+            elif chunk in t2:
+                t2.move_to_end(chunk)
 
     def on_inserts(self, chunks: Sequence[ChunkId]) -> None:
         """Deepest first, so each parent ends more recent than its children; a chunk whose
@@ -80,11 +86,7 @@ class ARCPolicy(EvictionPolicy):
             self._batch = _NONE
 
     def on_hit(self, chunk: ChunkId) -> None:
-        if chunk in self.t1:
-            del self.t1[chunk]
-            self.t2[chunk] = None
-        elif chunk in self.t2:
-            self.t2.move_to_end(chunk)
+        self.on_hits((chunk,))
 
     def children_of(self, chunk: ChunkId) -> int:
         return self._kids.get(chunk, 0)
@@ -98,13 +100,12 @@ class ARCPolicy(EvictionPolicy):
             self.p = max(0.0, self.p - max(len(self.b1) / len(self.b2), 1.0))
 
     def on_insert(self, chunk: ChunkId) -> None:
-        c = self.capacity
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
-        new = chunk not in t1 and chunk not in t2
-        if new:
-            parent = self._announced.pop(chunk, None)
-            if parent is not None:
-                self._link(chunk, parent, t1 if parent in t1 else t2 if parent in t2 else None)
+        if chunk in t1 or chunk in t2:
+            return  # resident already (a hit): nothing changes, the bounds still hold
+        parent = self._announced.pop(chunk, None)
+        if parent is not None:
+            self._link(chunk, parent, t1 if parent in t1 else t2 if parent in t2 else None)
         if chunk in b1 or chunk in b2:
             if chunk in self._adapted:
                 self._adapted.discard(chunk)
@@ -113,9 +114,10 @@ class ARCPolicy(EvictionPolicy):
             b1.pop(chunk, None)
             b2.pop(chunk, None)
             t2[chunk] = None
-        elif new:
+        else:
             t1[chunk] = None
         # Directory bounds of the paper: |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c.
+        c = self.capacity
         while b1 and len(t1) + len(b1) > c:
             self._adapted.discard(b1.popitem(last=False)[0])
         while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:

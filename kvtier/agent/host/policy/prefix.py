@@ -260,7 +260,8 @@ class PrefixPolicy(EvictionPolicy):
         if before is not None:
             return _class(before[1] + 1, _pace(self.now + 1 - before[0]) if before[0] >= 0 else 0)
         parent = self._state.get(self._announced.get(incoming))
-        return _class(1, parent[3] if parent is not None and parent[1] < HEAD_USES else 0)
+        # a first use's class is its pace (`_class(1, pace)`, inlined: every refusal asks)
+        return parent[3] if parent is not None and parent[1] < HEAD_USES else 0
 
     def _access(self, chunk: ChunkId, before: _State | None, pace: int) -> None:
         """A use of `chunk`: `before` is what was known of it (None: never seen; `pace` is
@@ -448,22 +449,23 @@ class PrefixPolicy(EvictionPolicy):
     def _forget(self, chunk: ChunkId, remember: bool) -> None:
         held = self._state.pop(chunk)
         self._stale(held[2], chunk)
-        self._children.pop(chunk, None)
+        children = self._children
+        children.pop(chunk, None)
         parent = self._parent.pop(chunk, None)
-        if parent is not None and parent in self._children:
-            left = self._children[parent] - 1
+        if parent is not None and parent in children:
+            left = children[parent] - 1
             if left > 0:
-                self._children[parent] = left
+                children[parent] = left
             else:
-                del self._children[parent]
+                del children[parent]
                 last, _, cls, _ = self._state[parent]
                 self._push(cls, parent, last)  # a leaf now
         if remember:
-            name = hash(chunk)
-            self._history[name] = held
-            self._history.move_to_end(name)
-            if len(self._history) > self._history_size:
-                self._history.popitem(last=False)
+            history, name = self._history, hash(chunk)
+            history.pop(name, None)
+            history[name] = held  # the newest
+            if len(history) > self._history_size:
+                history.popitem(last=False)
 
     def _leave_arc(self) -> None:
         """Carry ARC's resident chunks over: seen once (T1) or at least twice (T2), in
