@@ -107,21 +107,24 @@ class _Shadow:
         each, the hit prefix and the store's own chunks never evicted. It hits up to its
         first miss; the score is of hits decaying by `fade` a request."""
         policy, resident = self.policy, self.resident
-        hits = 0
-        for chunk in path:
-            if chunk not in resident:
-                break
+        hits, n = 0, len(path)
+        while hits < n and path[hits] in resident:
             hits += 1
         self.hits, self.score = hits, self.score * fade + hits
-        if hits == len(path):
+        if hits == n:
             policy.on_hits(path)
             return
-        held = [chunk for chunk in path if chunk in resident]
+        held = list(path[:hits])  # and any held beyond the first miss
+        pairs: list[tuple[ChunkId, ChunkId | None]] = []  # the rest, after their parents
+        before = path[hits - 1] if hits else None
+        for chunk in path[hits:]:
+            if chunk in resident:
+                held.append(chunk)
+            else:
+                pairs.append((chunk, before))
+            before = chunk
         if held:
             policy.on_hits(held)
-        todo = path[hits:]
-        parents = [path[hits - 1] if hits else None, *todo[:-1]]
-        pairs = [(c, p) for c, p in zip(todo, parents, strict=True) if c not in resident]
         policy.on_parents(pairs)
         pinned = set(path[:hits])
         evict, capacity, stored, evicted = policy.evict, policy.capacity, [], self.evicted
