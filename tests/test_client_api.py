@@ -13,10 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.bench.baseline import python_spinning
 from kvtier.client import protocol as p
 from kvtier.client.connection import AgentClient, AgentRefused
 from kvtier.client.reports import Reports, report_parts
 from kvtier.local.agent import AgentProcess
+from kvtier.shm.pool import SUM_CRC32, SUM_LANES
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
 
@@ -173,3 +175,36 @@ def test_a_new_client_stores_through_an_agent_that_answers_in_band(
         client.abort(grant.lease)
         result = client.store(NS, [key(0), key(1)], [row(0, ROW), row(1, ROW)])
         assert (result.stored, result.skipped) == (1, 1)
+
+
+@pytest.mark.parametrize("agent_checks_crc", [True, False])
+def test_a_store_beside_a_thread_running_python_sums_holding_the_gil(
+    agent: AgentProcess, agent_checks_crc: bool
+) -> None:
+    """vLLM's engine thread runs Python without a pause while the plug-in stores beside it
+    (a real thread here, spinning in Python; a real agent process). numpy's lane sum lets
+    go of the GIL and then waits out the other thread's switch interval to take it back, so
+    once a row took that long the client CRC-sums its rows holding the GIL, says so in its
+    Commit, and the agent checks them as CRCs: every chunk is published and loads back
+    exact. An agent that predates CRC sums (no "crc32" in its hello) gets lane sums only."""
+    with AgentClient(agent.config.endpoint) as client:
+        client.connect()
+        assert client.hello is not None and "crc32" in client.hello.sums
+        if not agent_checks_crc:
+            client.hello.sums = []
+        kinds, keys = b"", []
+        with python_spinning():
+            while len(keys) < 100 and kinds.count(SUM_CRC32) < 20:
+                i = len(keys)
+                keys.append(key(i))
+                grant = client.allocate(NS, [keys[i]], ROW)
+                staged = client.stage(grant, [row(i, ROW)], ROW)
+                client.commit(grant.lease, staged)
+                kinds += staged.kinds or bytes([SUM_LANES])
+        assert (SUM_CRC32 in kinds) is agent_checks_crc
+        keys = keys[-20:]  # what the pool still holds
+        outs = [np.empty(ROW, np.uint8) for _ in keys]
+        assert client.load_into(NS, keys, outs) == [True] * len(keys)
+        first = len(kinds) - len(keys)
+        assert all(np.array_equal(o, row(first + i, ROW)) for i, o in enumerate(outs))
+        assert client.stats().host.corrupt == 0

@@ -4,6 +4,7 @@ lock over the checksums nor drops a chunk that took a checked slot meanwhile."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from kvtier.agent.host.index import Entry, Grant
 from kvtier.agent.host.tier import HostTier
 from kvtier.agent.report.metrics import AgentMetrics
 from kvtier.api.config import HostTierConfig
-from kvtier.shm.pool import HELD_PIECE, copy_held, copy_summed
+from kvtier.shm.pool import HELD_PIECE, SUM_CRC32, SUM_LANES, copy_held, copy_summed
 from kvtier.shm.table import digests
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
@@ -145,21 +146,57 @@ def test_a_commit_publishes_only_what_matches_the_clients_checksums(tier: HostTi
     assert tier.stats().free_staging_slots == tier.stats().staging_slots  # none kept
 
 
+def test_a_commit_checks_each_sum_by_the_kind_it_names(tier: HostTier) -> None:
+    """A client that found the GIL contended CRC-sums its rows and says so per sum: each is
+    checked by its own kind (a CRC sum read as a lane sum would drop the chunk), a change
+    after the client's CRC is caught the same way, and kinds that do not match the sums
+    are refused, the lease's staging slots given back."""
+
+    def staged(ids: list[int], kinds: bytes, tamper: int | None = None) -> None:
+        grant = tier.allocate("c", NS, [key(i) for i in ids], ROW)
+        made = [
+            copy_summed(tier.staging.payload(at, ROW), row(i, ROW), of_source=True, kind=kind)
+            for i, at, kind in zip(ids, grant.staging, kinds, strict=True)
+        ]
+        if tamper is not None:  # another writer, after the client
+            tier.staging.payload(grant.staging[tamper], ROW)[5] ^= 0x10
+        tier.commit(grant.lease, "c", made, kinds)
+
+    staged([0, 1], bytes([SUM_CRC32, SUM_LANES]))
+    staged([2, 3], bytes([SUM_CRC32, SUM_CRC32]), tamper=1)
+    assert held(tier, 0, 1, 2, 3) == [True, True, True, False]
+    assert tier.stats().corrupt == 1
+
+    for bad in (bytes([SUM_CRC32]) * 2, bytes([7])):
+        grant = tier.allocate("c", NS, [key(4)], ROW)
+        made = [copy_summed(tier.staging.payload(grant.staging[0], ROW), row(4, ROW))]
+        with pytest.raises(ValueError, match="sum kinds"):
+            tier.commit(grant.lease, "c", made, bad)
+        assert held(tier, 4) == [False]
+    assert tier.stats().free_staging_slots == tier.stats().staging_slots
+
+
+@pytest.mark.parametrize("kind", [SUM_LANES, SUM_CRC32])
 @pytest.mark.parametrize("nbytes", [1, 63, 64, 4096 + 9, 256 << 10, 1 << 20, (256 << 10) * 3 + 100])
 def test_the_staging_sum_changes_with_a_byte_a_moved_part_or_blocks_in_another_order(
-    nbytes: int,
+    nbytes: int, kind: int
 ) -> None:
-    """What a client's sum must catch: any one byte changed (tail bytes too), a part of a
-    block swapped with another, blocks swapped; the copy it makes is the source's."""
+    """What a client's sum must catch, of either kind: any one byte changed (tail bytes
+    too), a part of a block swapped with another, blocks swapped; the copy it makes is the
+    source's. The agent's sum of its copy (numpy's copy, a CRC a block at a time) is the
+    client's (a copy under the GIL, a CRC of 5 KiB at a time), and a CRC sum is zlib's."""
     rng = np.random.default_rng(nbytes)
     src = rng.integers(0, 256, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
-    base = copy_summed(dst, src, of_source=True)
-    assert np.array_equal(dst, src) and copy_summed(np.empty_like(src), dst) == base
+    base = copy_summed(dst, src, of_source=True, kind=kind)
+    assert np.array_equal(dst, src)
+    assert copy_summed(np.empty_like(src), dst, copy=np.copyto, kind=kind) == base
+    if kind == SUM_CRC32:
+        assert base == zlib.crc32(src.data)
     for at in {0, nbytes // 2, nbytes - 1}:
         changed = src.copy()
         changed[at] ^= 0x80
-        assert copy_summed(np.empty_like(src), changed) != base, at
+        assert copy_summed(np.empty_like(src), changed, kind=kind) != base, at
     moves = []
     if nbytes >= 64:
         part = nbytes // 64 * 8  # a block's parts are 8 consecutive eighths of it
@@ -169,7 +206,7 @@ def test_the_staging_sum_changes_with_a_byte_a_moved_part_or_blocks_in_another_o
     for a, b, n in moves:
         moved = src.copy()
         moved[a : a + n], moved[b : b + n] = src[b : b + n], src[a : a + n]
-        assert copy_summed(np.empty_like(src), moved) != base, (a, b)
+        assert copy_summed(np.empty_like(src), moved, kind=kind) != base, (a, b)
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, HELD_PIECE - 1, HELD_PIECE, 2 * HELD_PIECE + 7])

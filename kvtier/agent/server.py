@@ -311,9 +311,9 @@ class Agent:
                         p.store_status(slots),
                     )
                 return p.LeaseReply(lease, slots, [], generations, staging)  # in band
-            case p.Commit(lease, sums):
+            case p.Commit(lease, sums, kinds):
                 # the agent copies the staged chunks into the pool: off the request loop
-                return lambda: self._commit(lease, client, sums)
+                return lambda: self._commit(lease, client, sums, kinds)
             case p.Abort(lease):
                 host.abort(lease, client)
             case p.BeginLoad(namespace, keys, source):
@@ -347,9 +347,9 @@ class Agent:
                 return self.access_log.reply(after)
         return p.Ack()
 
-    def _commit(self, lease: int, client: str, sums: list[int] | None) -> p.Reply:
+    def _commit(self, lease: int, client: str, sums: list[int] | None, kinds: bytes) -> p.Reply:
         try:
-            self.host.commit(lease, client, sums)
+            self.host.commit(lease, client, sums, kinds)
         except (LeaseError, ValueError) as exc:
             return self._refusal("commit", exc)
         return p.Ack()
@@ -419,6 +419,7 @@ class Agent:
             agent_version=kvtier.__version__,
             tiers=self.tiers.names if self.tiers is not None else [],
             boot=self.boot,
+            sums=["crc32"],
         )
 
 

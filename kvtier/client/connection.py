@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -56,7 +57,16 @@ from kvtier.client.transport import (
     Transport,
 )
 from kvtier.shm.files import foreign
-from kvtier.shm.pool import Bytes, PoolMap, copy_held, copy_summed, staging_path
+from kvtier.shm.pool import (
+    COPY_BLOCK,
+    SUM_CRC32,
+    SUM_LANES,
+    Bytes,
+    PoolMap,
+    copy_held,
+    copy_summed,
+    staging_path,
+)
 from kvtier.shm.table import TableReader, digests, index_path
 
 ALIVE_SECONDS = 0.01  # per-key lookups test the agent's liveness at most this often
@@ -88,6 +98,36 @@ Grant = p.LeaseReply
 class StoreResult:
     stored: int
     skipped: int
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What `stage` made of a grant's rows, for its Commit: a staging sum per row staged,
+    and each one's kind (one byte per sum; empty: all lane sums)."""
+
+    sums: list[int]
+    kinds: bytes
+
+
+def _commit_message(lease: int, staged: Staged | None) -> p.Commit:
+    if staged is None:
+        return p.Commit(lease)
+    return p.Commit(lease, staged.sums, staged.kinds)
+
+
+# Rows are CRC-summed for this long once SLOW_ROWS lane-summed rows in a row were each
+# slower than `_contended` allows.
+CONTENDED_SECONDS = 2.0
+SLOW_ROWS = 2
+
+
+def _contended(nbytes: int) -> float:
+    """How long a lane-summed row may take before it counts as slow: half the interpreter's
+    switch interval per block (a row whose sums wait for the GIL waits about one interval a
+    block, 5 ms), plus 1 GB/s (lane sums alone run at over 10 on the slowest machine this
+    ran on). A thread merely preempted meanwhile (a busy node) seldom passes it twice."""
+    blocks = -(-nbytes // COPY_BLOCK)
+    return blocks * sys.getswitchinterval() / 2 + nbytes / 1e9
 
 
 def _equal_rows(keys: Sequence[bytes], rows: Sequence[Any]) -> tuple[list[Bytes], int]:
@@ -153,6 +193,8 @@ class AgentClient:
         self.pool: PoolMap | None = None  # read-only: only the agent writes the pool
         self.staging: PoolMap | None = None  # where stores are written, for the agent to seal
         self._boot = 0  # the agent process the staging map was made for
+        self._contended_until = 0.0  # rows are CRC-summed until then (see `stage`)
+        self._slow_rows = 0  # lane-summed rows in a row that were slow
         self.index: TableReader | None = None
         self.hello: p.HelloReply | None = None
         # lookups answered from the published index, and bytes loaded without a lease
@@ -402,21 +444,21 @@ class AgentClient:
             grant.slots = p.granted_slots(grant.slots)
         return grant
 
-    def commit(self, lease: int, sums: list[int] | None = None) -> None:
+    def commit(self, lease: int, staged: Staged | None = None) -> None:
         """A round trip: once it returns, every client of the agent sees the chunks (a
-        one-way commit could still be queued behind another client's lookup). `sums`: what
-        `stage` returned, so that the agent publishes only the bytes this client staged.
-        Raises LeaseLost when the lease is void."""
-        self._call(p.Commit(lease, sums), p.Ack)
+        one-way commit could still be queued behind another client's lookup). `staged`:
+        what `stage` returned, so that the agent publishes only the bytes this client
+        staged. Raises LeaseLost when the lease is void."""
+        self._call(_commit_message(lease, staged), p.Ack)
 
-    def _commit_ahead(self, lease: int, sums: list[int]) -> bytes:
+    def _commit_ahead(self, lease: int, staged: Staged) -> bytes:
         """Send a Commit without waiting for its reply (see `store`): its request id."""
         if self.reports.pending:
             self.flush_reports()
         with self._transport.lock:
             if self.hello is None:
                 self._connect_locked(time.monotonic() + self.timeout)
-            return self._transport.send_ahead(p.Commit(lease, sums))
+            return self._transport.send_ahead(_commit_message(lease, staged))
 
     def _commit_done(self, rid: bytes, lease: int) -> None:
         """Wait for the reply to a Commit sent ahead; raises as `commit` does."""
@@ -513,7 +555,11 @@ class AgentClient:
                     nbytes,
                     None if parents is None else [parents[i] for i in batch],
                 )
-                staged = self.stage(grant, [views[i] for i in batch], nbytes) if grant.lease else []
+                staged = (
+                    self.stage(grant, [views[i] for i in batch], nbytes)
+                    if grant.lease
+                    else Staged([], b"")
+                )
                 if ahead is not None:
                     self._commit_done(*ahead)
                     ahead = None
@@ -542,12 +588,20 @@ class AgentClient:
                     self._commit_done(*ahead)
         return StoreResult(stored, skipped)
 
-    def stage(self, grant: Grant, views: Sequence[Bytes], nbytes: int) -> list[int]:
+    def stage(self, grant: Grant, views: Sequence[Bytes], nbytes: int) -> Staged:
         """Copy rows (one per key of the grant) into their granted staging slots and return
         the staging sums of the rows staged, for `commit`: each made of this client's own
         row while it is copied, so bytes another process writes into the slot before the
-        agent copies it are caught there. On any failure the lease is aborted."""
+        agent copies it are caught there. On any failure the lease is aborted.
+
+        A row is summed by lanes (numpy: several times memcpy's speed, letting go of the
+        GIL) unless the GIL was lately found contended, then by CRC-32 holding it, where the
+        agent checks those (shm/pool.py: copy_summed): lane-summed rows that took longer than
+        `_contended` allows had to wait for the GIL, and the rows of the next
+        CONTENDED_SECONDS are CRC-summed."""
         sums: list[int] = []
+        kinds = bytearray()
+        crc = self.hello is not None and "crc32" in self.hello.sums
         try:
             staging = _intact(self.staging)
             for i, (view, slot) in enumerate(zip(views, grant.slots, strict=True)):
@@ -555,11 +609,20 @@ class AgentClient:
                     if not self.still_granted(grant, i):
                         raise LeaseLost(f"lease {grant.lease} expired before its copy")
                     into = _slot_view(staging, grant.staging[i], nbytes)
-                    sums.append(copy_summed(into, view, of_source=True))
+                    began = time.monotonic()
+                    kind = SUM_CRC32 if crc and began < self._contended_until else SUM_LANES
+                    sums.append(copy_summed(into, view, of_source=True, kind=kind))
+                    kinds.append(kind)
+                    if kind == SUM_LANES:
+                        slow = time.monotonic() - began > _contended(nbytes)
+                        self._slow_rows = self._slow_rows + 1 if slow else 0
+                        if self._slow_rows >= SLOW_ROWS:
+                            self._contended_until = time.monotonic() + CONTENDED_SECONDS
+                            self._slow_rows = 0
         except BaseException:
             self.abort(grant.lease)
             raise
-        return sums
+        return Staged(sums, bytes(kinds) if any(kinds) else b"")
 
     def load_into(
         self,

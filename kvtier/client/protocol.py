@@ -156,6 +156,9 @@ class Commit(msgspec.Struct, tag="commit"):
     # An agent that predates the field ignores it; without it the agent publishes what it
     # finds staged.
     sums: Annotated[list[U64Int], msgspec.Meta(max_length=MAX_KEYS)] | None = None
+    # Each sum's kind, one byte per sum (shm/pool.py: SUM_LANES, SUM_CRC32), sent only to an
+    # agent whose HelloReply.sums names "crc32"; empty: every sum is a lane sum.
+    kinds: Annotated[bytes, msgspec.Meta(max_length=MAX_KEYS)] = b""
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -217,6 +220,9 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     tiers: list[str] = []
     protocol: int = PROTOCOL_VERSION
     boot: int = 0
+    # staging sums it checks besides lane sums (Commit.kinds); an agent that predates the
+    # field checks lane sums only
+    sums: list[str] = []
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):

@@ -49,7 +49,14 @@ from kvtier.api.pool_layout import (
 from kvtier.api.stats import HostStats, StoreSkip, StoreSkips, Tally
 from kvtier.client.protocol import StoreCode
 from kvtier.shm.files import claim, close_directory
-from kvtier.shm.pool import copy_summed, open_staging, staging_path, trim
+from kvtier.shm.pool import (
+    SUM_CRC32,
+    SUM_LANES,
+    copy_summed,
+    open_staging,
+    staging_path,
+    trim,
+)
 from kvtier.shm.table import U64, TableWriter, index_path
 
 log = logging.getLogger("kvtier.agent.host")
@@ -248,13 +255,20 @@ class HostTier:
                 self._skipped.add(_SKIP_REASONS[slot])
         return Grant(lease, slots, generations, tuple(staging))
 
-    def commit(self, lease: int, client: str, staged_sums: list[int] | None = None) -> None:
+    def commit(
+        self,
+        lease: int,
+        client: str,
+        staged_sums: list[int] | None = None,
+        kinds: bytes = b"",
+    ) -> None:
         """Copy a store lease's staged chunks into their pool slots, checksumming each block
         while it is hot, then seal and publish them: once this returns every client finds
         them, and no client can alter them. A slot whose header or generation is not the
         one its allocation wrote is dropped and counted, never published; so is one whose
         copy's staging sum is not the one its client made of the row it staged
-        (`staged_sums`, in the grant's order of granted keys; see shm/pool.py): the staging
+        (`staged_sums`, in the grant's order of granted keys, each of its kind in `kinds`,
+        all lane sums where empty; see shm/pool.py): the staging
         area is the tier group's to write, and bytes another process wrote into a client's
         staging slot meanwhile become a miss, not a chunk."""
         with self._lock:
@@ -262,14 +276,22 @@ class HostTier:
             staged = self._staged.get(lease, {})
         try:
             expected: dict[int, int] | None = None
+            kind_of = dict.fromkeys(staged, SUM_LANES)
             if staged_sums is not None:
                 if len(staged_sums) != len(staged):
                     raise ValueError(
                         f"commit names {len(staged_sums)} staging sums for the {len(staged)} "
                         "chunks its lease staged; send one per granted key, in order"
                     )
+                if kinds and (len(kinds) != len(staged) or max(kinds) > SUM_CRC32):
+                    raise ValueError(
+                        f"commit names {len(kinds)} sum kinds for {len(staged)} staging sums "
+                        f"(each {SUM_LANES} or {SUM_CRC32}); send one per sum, or none"
+                    )
                 expected = dict(zip(staged, staged_sums, strict=True))
-            work = [(e.slot, staged[e.slot], e.length) for e in entries]
+                if kinds:
+                    kind_of.update(zip(staged, kinds, strict=True))
+            work = [(e.slot, staged[e.slot], e.length, kind_of[e.slot]) for e in entries]
             digests: dict[int, int] = {}
             sums: dict[int, int] = {}
             for slot, (digest, summed) in self._copiers.map(
@@ -305,17 +327,18 @@ class HostTier:
                 self._seal(entry, digests[entry.slot])
         self._store_bytes.inc(sum(e.length for e in kept))
 
-    def _copy_in(self, slot: int, staged: int, length: int) -> tuple[int, int]:
+    def _copy_in(self, slot: int, staged: int, length: int, kind: int) -> tuple[int, int]:
         """Copy a staged chunk into its pool slot and return its checksum and its staging
-        sum (what its client's is compared with), each block hashed and summed right after
-        it is copied, from cache (xxh3 streams: the same digest as one pass over the whole
-        chunk)."""
+        sum of `kind` (what its client's is compared with), each block hashed and summed
+        right after it is copied, from cache (xxh3 streams: the same digest as one pass over
+        the whole chunk)."""
         digest = xxhash.xxh3_64()
         summed = copy_summed(
             self.pool.payload(slot, length),
             self.staging.payload(staged, length),
             each_block=lambda block: digest.update(block.data),
             copy=np.copyto,  # lets go of the GIL: the copiers run side by side
+            kind=kind,
         )
         return digest.intdigest(), summed
 
