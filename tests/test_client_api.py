@@ -5,6 +5,9 @@ lease behind."""
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from typing import Any
 
 import msgspec
@@ -13,12 +16,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.bench.baseline import python_spinning
 from kvtier.client import protocol as p
-from kvtier.client.connection import AgentClient, AgentRefused
+from kvtier.client.connection import (
+    CONTENDED_SECONDS,
+    SLOW_ROWS,
+    AgentClient,
+    AgentRefused,
+    GilWatch,
+)
 from kvtier.client.reports import Reports, report_parts
 from kvtier.local.agent import AgentProcess
-from kvtier.shm.pool import SUM_CRC32, SUM_LANES
+from kvtier.shm.pool import SUM_CRC32
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
 
@@ -178,33 +186,58 @@ def test_a_new_client_stores_through_an_agent_that_answers_in_band(
 
 
 @pytest.mark.parametrize("agent_checks_crc", [True, False])
-def test_a_store_beside_a_thread_running_python_sums_holding_the_gil(
+def test_while_the_gil_is_contended_a_store_sends_crc_sums_the_agent_checks(
     agent: AgentProcess, agent_checks_crc: bool
 ) -> None:
-    """vLLM's engine thread runs Python without a pause while the plug-in stores beside it
-    (a real thread here, spinning in Python; a real agent process). numpy's lane sum lets
-    go of the GIL and then waits out the other thread's switch interval to take it back, so
-    once a row took that long the client CRC-sums its rows holding the GIL, says so in its
-    Commit, and the agent checks them as CRCs: every chunk is published and loads back
-    exact. An agent that predates CRC sums (no "crc32" in its hello) gets lane sums only."""
+    """Once the client found its GIL contended (set here: whether a thread running Python
+    makes numpy wait for the GIL depends on the OS scheduling that thread at the moment,
+    which a loaded machine does not; `kvtier bench host` measures it, rows `1+py`), it
+    CRC-sums its rows, says so in each Commit, and the agent checks them as CRCs: every
+    chunk is published and loads back exact, none counted corrupt, through `store` and
+    through `stage` with `commit`. An agent that predates CRC sums (no "crc32" in its
+    hello) gets lane sums only."""
+    keys = [key(i) for i in range(8)]
+    rows = [row(i, ROW - 3) for i in range(8)]  # 12 pieces of 5 KiB and a part
     with AgentClient(agent.config.endpoint) as client:
         client.connect()
         assert client.hello is not None and "crc32" in client.hello.sums
         if not agent_checks_crc:
             client.hello.sums = []
-        kinds, keys = b"", []
-        with python_spinning():
-            while len(keys) < 100 and kinds.count(SUM_CRC32) < 20:
-                i = len(keys)
-                keys.append(key(i))
-                grant = client.allocate(NS, [keys[i]], ROW)
-                staged = client.stage(grant, [row(i, ROW)], ROW)
-                client.commit(grant.lease, staged)
-                kinds += staged.kinds or bytes([SUM_LANES])
-        assert (SUM_CRC32 in kinds) is agent_checks_crc
-        keys = keys[-20:]  # what the pool still holds
-        outs = [np.empty(ROW, np.uint8) for _ in keys]
+        client.gil.until = time.monotonic() + 600
+        assert client.store(NS, keys[:4], rows[:4]).stored == 4
+        grant = client.allocate(NS, keys[4:], ROW - 3)
+        staged = client.stage(grant, rows[4:], ROW - 3)
+        client.commit(grant.lease, staged)
+        assert staged.kinds == (bytes([SUM_CRC32]) * 4 if agent_checks_crc else b"")
+        outs = [np.empty_like(r) for r in rows]
         assert client.load_into(NS, keys, outs) == [True] * len(keys)
-        first = len(kinds) - len(keys)
-        assert all(np.array_equal(o, row(first + i, ROW)) for i, o in enumerate(outs))
+        assert all(np.array_equal(o, r) for o, r in zip(outs, rows, strict=True))
         assert client.stats().host.corrupt == 0
+
+
+def test_the_gil_counts_as_contended_after_slow_rows_in_a_row_and_for_longer_each_time() -> None:
+    """Two lane-summed rows in a row of one thread, each slower than half a switch interval
+    a block, open a window of CRC sums; a fast row in between, or another thread's slow row,
+    does not; found again right after a window ends, the next window is twice as long, and
+    found again later it is back to the first length."""
+    gil, mib = GilWatch(), 1 << 20
+    slow = 4 * sys.getswitchinterval() + 0.01  # a 1 MiB row whose 4 blocks waited
+    now = 100.0
+    for took in (slow, 0.0001, slow):  # a fast row breaks the run
+        gil.lane_row(mib, now, now + took)
+        now += 1
+    assert not gil.contended(now)
+    other = threading.Thread(target=gil.lane_row, args=(mib, now, now + slow))
+    other.start()
+    other.join()
+    assert not gil.contended(now)  # that thread's row is not this one's run
+    gil.lane_row(mib, now, now + slow)
+    assert gil.contended(now + slow) and gil.window == CONTENDED_SECONDS
+    now = gil.until + 0.1  # the window ended: the next look finds it so again at once
+    for _ in range(SLOW_ROWS):
+        gil.lane_row(mib, now, now + slow)
+    assert gil.window == 2 * CONTENDED_SECONDS and gil.contended(gil.until - 0.01)
+    now = gil.until + 100  # found so again only long after: the first length again
+    for _ in range(SLOW_ROWS):
+        gil.lane_row(mib, now, now + slow)
+    assert gil.window == CONTENDED_SECONDS

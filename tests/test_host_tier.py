@@ -167,11 +167,14 @@ def test_a_commit_checks_each_sum_by_the_kind_it_names(tier: HostTier) -> None:
     assert held(tier, 0, 1, 2, 3) == [True, True, True, False]
     assert tier.stats().corrupt == 1
 
-    for bad in (bytes([SUM_CRC32]) * 2, bytes([7])):
+    for bad in (bytes([SUM_CRC32]) * 2, bytes([7]), None):
         grant = tier.allocate("c", NS, [key(4)], ROW)
         made = [copy_summed(tier.staging.payload(grant.staging[0], ROW), row(4, ROW))]
         with pytest.raises(ValueError, match="sum kinds"):
-            tier.commit(grant.lease, "c", made, bad)
+            if bad is None:  # kinds without sums
+                tier.commit(grant.lease, "c", None, bytes([SUM_CRC32]))
+            else:
+                tier.commit(grant.lease, "c", made, bad)
         assert held(tier, 4) == [False]
     assert tier.stats().free_staging_slots == tier.stats().staging_slots
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -109,16 +110,18 @@ class Staged:
     kinds: bytes
 
 
-def _commit_message(lease: int, staged: Staged | None) -> p.Commit:
+def _commit_message(lease: int, staged: Staged | Sequence[int] | None) -> p.Commit:
+    """A Commit of `stage`'s sums (a plain sequence: lane sums, as `stage` once returned)."""
     if staged is None:
         return p.Commit(lease)
-    return p.Commit(lease, staged.sums, staged.kinds)
+    if isinstance(staged, Staged):
+        return p.Commit(lease, staged.sums, staged.kinds)
+    return p.Commit(lease, [int(s) for s in staged])
 
 
-# Rows are CRC-summed for this long once SLOW_ROWS lane-summed rows in a row were each
-# slower than `_contended` allows.
-CONTENDED_SECONDS = 2.0
-SLOW_ROWS = 2
+CONTENDED_SECONDS = 2.0  # rows are CRC-summed this long once the GIL was found contended,
+CONTENDED_MAX = 64.0  # twice as long each time it is found so again right after
+SLOW_ROWS = 2  # lane-summed rows in a row, of one thread, too slow to be anything else
 
 
 def _contended(nbytes: int) -> float:
@@ -128,6 +131,33 @@ def _contended(nbytes: int) -> float:
     ran on). A thread merely preempted meanwhile (a busy node) seldom passes it twice."""
     blocks = -(-nbytes // COPY_BLOCK)
     return blocks * sys.getswitchinterval() / 2 + nbytes / 1e9
+
+
+class GilWatch:
+    """Whether another thread of this process holds up the GIL, as a client's lane-summed
+    rows show it: once SLOW_ROWS of one thread's rows in a row were slow, rows are
+    CRC-summed for a window (shm/pool.py: copy_summed). Each time rows are found slow again
+    right after a window ended, the next one is twice as long (up to CONTENDED_MAX): each
+    look costs SLOW_ROWS rows' waits, a second at rows of 32 MiB. Threads share the window
+    and count their own rows (the plug-in's copy threads share one client)."""
+
+    def __init__(self) -> None:
+        self.until = 0.0
+        self.window = CONTENDED_SECONDS
+        self._runs = threading.local()
+
+    def contended(self, now: float) -> bool:
+        return now < self.until
+
+    def lane_row(self, nbytes: int, began: float, now: float) -> None:
+        """A lane-summed row of `nbytes` staged from `began` to `now` (monotonic)."""
+        runs = getattr(self._runs, "slow", 0) + 1 if now - began > _contended(nbytes) else 0
+        if runs >= SLOW_ROWS:
+            runs = 0
+            again = began - self.until < self.window
+            self.window = min(2 * self.window, CONTENDED_MAX) if again else CONTENDED_SECONDS
+            self.until = now + self.window
+        self._runs.slow = runs
 
 
 def _equal_rows(keys: Sequence[bytes], rows: Sequence[Any]) -> tuple[list[Bytes], int]:
@@ -193,8 +223,7 @@ class AgentClient:
         self.pool: PoolMap | None = None  # read-only: only the agent writes the pool
         self.staging: PoolMap | None = None  # where stores are written, for the agent to seal
         self._boot = 0  # the agent process the staging map was made for
-        self._contended_until = 0.0  # rows are CRC-summed until then (see `stage`)
-        self._slow_rows = 0  # lane-summed rows in a row that were slow
+        self.gil = GilWatch()  # whether rows are CRC-summed (see `stage`)
         self.index: TableReader | None = None
         self.hello: p.HelloReply | None = None
         # lookups answered from the published index, and bytes loaded without a lease
@@ -444,7 +473,7 @@ class AgentClient:
             grant.slots = p.granted_slots(grant.slots)
         return grant
 
-    def commit(self, lease: int, staged: Staged | None = None) -> None:
+    def commit(self, lease: int, staged: Staged | Sequence[int] | None = None) -> None:
         """A round trip: once it returns, every client of the agent sees the chunks (a
         one-way commit could still be queued behind another client's lookup). `staged`:
         what `stage` returned, so that the agent publishes only the bytes this client
@@ -597,8 +626,7 @@ class AgentClient:
         A row is summed by lanes (numpy: several times memcpy's speed, letting go of the
         GIL) unless the GIL was lately found contended, then by CRC-32 holding it, where the
         agent checks those (shm/pool.py: copy_summed): lane-summed rows that took longer than
-        `_contended` allows had to wait for the GIL, and the rows of the next
-        CONTENDED_SECONDS are CRC-summed."""
+        `_contended` allows had to wait for the GIL (`GilWatch`)."""
         sums: list[int] = []
         kinds = bytearray()
         crc = self.hello is not None and "crc32" in self.hello.sums
@@ -610,15 +638,11 @@ class AgentClient:
                         raise LeaseLost(f"lease {grant.lease} expired before its copy")
                     into = _slot_view(staging, grant.staging[i], nbytes)
                     began = time.monotonic()
-                    kind = SUM_CRC32 if crc and began < self._contended_until else SUM_LANES
+                    kind = SUM_CRC32 if crc and self.gil.contended(began) else SUM_LANES
                     sums.append(copy_summed(into, view, of_source=True, kind=kind))
                     kinds.append(kind)
                     if kind == SUM_LANES:
-                        slow = time.monotonic() - began > _contended(nbytes)
-                        self._slow_rows = self._slow_rows + 1 if slow else 0
-                        if self._slow_rows >= SLOW_ROWS:
-                            self._contended_until = time.monotonic() + CONTENDED_SECONDS
-                            self._slow_rows = 0
+                        self.gil.lane_row(nbytes, began, time.monotonic())
         except BaseException:
             self.abort(grant.lease)
             raise
@@ -723,8 +747,10 @@ __all__ = [
     "AgentError",
     "AgentRefused",
     "AgentUnavailable",
+    "GilWatch",
     "Grant",
     "LeaseLost",
     "LookupResult",
+    "Staged",
     "StoreResult",
 ]

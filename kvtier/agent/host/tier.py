@@ -277,6 +277,8 @@ class HostTier:
         try:
             expected: dict[int, int] | None = None
             kind_of = dict.fromkeys(staged, SUM_LANES)
+            if kinds and staged_sums is None:
+                raise ValueError("commit names sum kinds but no sums; send both, or neither")
             if staged_sums is not None:
                 if len(staged_sums) != len(staged):
                     raise ValueError(
