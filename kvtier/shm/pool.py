@@ -15,7 +15,7 @@ import contextlib
 import mmap
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -263,37 +263,37 @@ def copy_summed(
     alone, half that beside a busy thread) and letting go of it a block at a time otherwise
     (the agent's copiers, which no Python thread holds up). A client sums by lanes until a
     row finds the GIL contended (`AgentClient.stage`)."""
-    if kind == SUM_CRC32:
-        return _copy_crc(dst, src, src if of_source else dst, each_block, copy)
-    state = np.zeros(_LANES, np.uint64)
     summed = src if of_source else dst
-    for start in range(0, src.nbytes, COPY_BLOCK):
-        end = start + COPY_BLOCK
-        copy(dst[start:end], src[start:end])
+    blocks = _copied_blocks(dst, src, summed, each_block, copy)
+    if kind == SUM_CRC32:
+        crc, piece = 0, CRC_PIECE if copy is copy_held else COPY_BLOCK
+        for block in blocks:
+            view = block.data.cast("B")
+            for at in range(0, len(view), piece):
+                crc = zlib.crc32(view[at : at + piece], crc)
+        return crc
+    state = np.zeros(_LANES, np.uint64)
+    for block in blocks:
         state *= _MIX
-        state += _lane_sums(summed[start:end])
-        if each_block is not None:
-            each_block(dst[start:end])
+        state += _lane_sums(block)
     return int(np.add.reduce(state * _FOLD))
 
 
-def _copy_crc(
+def _copied_blocks(
     dst: Bytes,
     src: Bytes,
     summed: Bytes,
     each_block: Callable[[Bytes], object] | None,
     copy: Callable[[Bytes, Bytes], object],
-) -> int:
-    crc, piece = 0, CRC_PIECE if copy is copy_held else COPY_BLOCK
+) -> Iterator[Bytes]:
+    """`src` copied into `dst` a block at a time, each block of `summed` handed out right
+    after its copy (to be summed while in cache), then `each_block` called with the copy."""
     for start in range(0, src.nbytes, COPY_BLOCK):
         end = start + COPY_BLOCK
         copy(dst[start:end], src[start:end])
-        block = summed[start:end].data.cast("B")
-        for at in range(0, len(block), piece):
-            crc = zlib.crc32(block[at : at + piece], crc)
+        yield summed[start:end]
         if each_block is not None:
             each_block(dst[start:end])
-    return crc
 
 
 def _lane_sums(block: Bytes) -> npt.NDArray[np.uint64]:
