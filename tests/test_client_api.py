@@ -17,13 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.client import protocol as p
-from kvtier.client.connection import (
-    CONTENDED_SECONDS,
-    SLOW_ROWS,
-    AgentClient,
-    AgentRefused,
-    GilWatch,
-)
+from kvtier.client.connection import AgentClient, AgentRefused
+from kvtier.client.gil import CONTENDED_SECONDS, SLOW_ROWS, GilWatch
 from kvtier.client.reports import Reports, report_parts
 from kvtier.local.agent import AgentProcess
 from kvtier.shm.pool import SUM_CRC32

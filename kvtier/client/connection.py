@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -47,6 +45,7 @@ import zmq
 
 from kvtier.api.stats import AgentStats
 from kvtier.client import protocol as p
+from kvtier.client.gil import GilWatch
 from kvtier.client.liveness import ClientLock
 from kvtier.client.reports import Reports
 from kvtier.client.transport import (
@@ -59,7 +58,6 @@ from kvtier.client.transport import (
 )
 from kvtier.shm.files import foreign
 from kvtier.shm.pool import (
-    COPY_BLOCK,
     SUM_CRC32,
     SUM_LANES,
     Bytes,
@@ -117,47 +115,6 @@ def _commit_message(lease: int, staged: Staged | Sequence[int] | None) -> p.Comm
     if isinstance(staged, Staged):
         return p.Commit(lease, staged.sums, staged.kinds)
     return p.Commit(lease, [int(s) for s in staged])
-
-
-CONTENDED_SECONDS = 2.0  # rows are CRC-summed this long once the GIL was found contended,
-CONTENDED_MAX = 64.0  # twice as long each time it is found so again right after
-SLOW_ROWS = 2  # lane-summed rows in a row, of one thread, too slow to be anything else
-
-
-def _contended(nbytes: int) -> float:
-    """How long a lane-summed row may take before it counts as slow: half the interpreter's
-    switch interval per block (a row whose sums wait for the GIL waits about one interval a
-    block, 5 ms), plus 1 GB/s (lane sums alone run at over 10 on the slowest machine this
-    ran on). A thread merely preempted meanwhile (a busy node) seldom passes it twice."""
-    blocks = -(-nbytes // COPY_BLOCK)
-    return blocks * sys.getswitchinterval() / 2 + nbytes / 1e9
-
-
-class GilWatch:
-    """Whether another thread of this process holds up the GIL, as a client's lane-summed
-    rows show it: once SLOW_ROWS of one thread's rows in a row were slow, rows are
-    CRC-summed for a window (shm/pool.py: copy_summed). Each time rows are found slow again
-    right after a window ended, the next one is twice as long (up to CONTENDED_MAX): each
-    look costs SLOW_ROWS rows' waits, a second at rows of 32 MiB. Threads share the window
-    and count their own rows (the plug-in's copy threads share one client)."""
-
-    def __init__(self) -> None:
-        self.until = 0.0
-        self.window = CONTENDED_SECONDS
-        self._runs = threading.local()
-
-    def contended(self, now: float) -> bool:
-        return now < self.until
-
-    def lane_row(self, nbytes: int, began: float, now: float) -> None:
-        """A lane-summed row of `nbytes` staged from `began` to `now` (monotonic)."""
-        runs = getattr(self._runs, "slow", 0) + 1 if now - began > _contended(nbytes) else 0
-        if runs >= SLOW_ROWS:
-            runs = 0
-            again = began - self.until < self.window
-            self.window = min(2 * self.window, CONTENDED_MAX) if again else CONTENDED_SECONDS
-            self.until = now + self.window
-        self._runs.slow = runs
 
 
 def _equal_rows(keys: Sequence[bytes], rows: Sequence[Any]) -> tuple[list[Bytes], int]:
@@ -625,8 +582,8 @@ class AgentClient:
 
         A row is summed by lanes (numpy: several times memcpy's speed, letting go of the
         GIL) unless the GIL was lately found contended, then by CRC-32 holding it, where the
-        agent checks those (shm/pool.py: copy_summed): lane-summed rows that took longer than
-        `_contended` allows had to wait for the GIL (`GilWatch`)."""
+        agent checks those (shm/pool.py: copy_summed): lane-summed rows slower than the GIL
+        alone explains had to wait for it (client/gil.py)."""
         sums: list[int] = []
         kinds = bytearray()
         crc = self.hello is not None and "crc32" in self.hello.sums
@@ -747,7 +704,6 @@ __all__ = [
     "AgentError",
     "AgentRefused",
     "AgentUnavailable",
-    "GilWatch",
     "Grant",
     "LeaseLost",
     "LookupResult",
