@@ -75,7 +75,8 @@ class KeyedLRUPolicy(ARCPolicy):
         t1[chunk] = None
 
     def on_evicted(self, chunk: ChunkId) -> None:
-        if self.t1.pop(chunk, 0) is None:
+        if chunk in self.t1:  # every chunk is in T1 (ARC's on_remove would try T2 too)
+            del self.t1[chunk]
             self._leave(chunk)
 
     def evict(

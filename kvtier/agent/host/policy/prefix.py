@@ -260,8 +260,7 @@ class PrefixPolicy(EvictionPolicy):
         if before is not None:
             return _class(before[1] + 1, _pace(self.now + 1 - before[0]) if before[0] >= 0 else 0)
         parent = self._state.get(self._announced.get(incoming))
-        # a first use's class is its pace (`_class(1, pace)`, inlined: every refusal asks)
-        return parent[3] if parent is not None and parent[1] < HEAD_USES else 0
+        return _class(1, parent[3] if parent is not None and parent[1] < HEAD_USES else 0)
 
     def _access(self, chunk: ChunkId, before: _State | None, pace: int) -> None:
         """A use of `chunk`: `before` is what was known of it (None: never seen; `pace` is
