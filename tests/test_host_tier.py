@@ -4,6 +4,7 @@ lock over the checksums nor drops a chunk that took a checked slot meanwhile."""
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,6 +123,40 @@ def test_checksums_run_without_the_lock_and_spare_a_slot_taken_meanwhile(
     tier.commit(grant.lease, "c")
     assert held(tier, 9, 0) == [True, False]
     assert tier.stats().corrupt == 0
+
+
+def test_a_staging_slot_lent_before_a_restart_rests_a_lease_past_its_deadline(
+    scratch: Path,
+) -> None:
+    """An agent killed just after lending a staging slot: its writer, descheduled past its
+    lease, still copies into it. The next agent lends that slot only a lease's length past
+    the old lease's deadline (as a lease that expires under a living agent rests), so the
+    late bytes never land in a slot another store was given, even one that commits without
+    sums; by then the slot is free again."""
+    lease = 1.0
+    config = HostTierConfig(
+        capacity=SLOTS * (ROW + 4096) + 4096, chunk_bytes=ROW, pool_dir=scratch, prefault=False
+    )
+    before = HostTier(config, scratch / "pool", AgentMetrics(), lease_seconds=lease, boot=1)
+    late = before.allocate("c", NS, [key(5)], ROW).staging[0]
+    after = HostTier(config, scratch / "pool", AgentMetrics(), lease_seconds=lease, boot=2)
+    try:
+        started = time.monotonic()
+        staging = after.stats().staging_slots
+        assert after.stats().free_staging_slots == staging - 1
+        after.reclaim(started + lease + 0.5, [])  # the late writer's copy is due about now
+        assert after.stats().free_staging_slots == staging - 1
+        grant = after.allocate("c", NS, [key(1)], ROW)
+        assert late not in grant.staging
+        after.staging.payload(grant.staging[0], ROW)[:] = row(1, ROW)
+        before.staging.payload(late, ROW)[:] = row(5, ROW)  # the late writer, at last
+        after.commit(grant.lease, "c")
+        assert np.array_equal(after.pool.payload(grant.slots[0], ROW), row(1, ROW))
+        after.reclaim(started + 2 * lease + 0.1, [])
+        assert after.stats().free_staging_slots == staging
+    finally:
+        after.close()
+        before.close()
 
 
 def test_a_commit_publishes_only_what_matches_the_clients_checksums(tier: HostTier) -> None:

@@ -65,6 +65,9 @@ TIER = "host"
 # Holders of the agent's own leases; ':' is never part of a client id (see protocol.py).
 PROMOTER = "agent:promoter"  # slots being filled from a secondary tier
 LENDER = "agent:peer"  # chunks being sent to other agents
+# How far ahead an earlier agent's staging deadline is believed: past it the wall clock
+# went back, and its slots would otherwise rest for as long as it went.
+_LONGEST_DEADLINE = 3600.0
 # FULL is the index's own count
 _SKIP_REASONS: dict[int, StoreSkip] = {
     StoreCode.EXISTS: "exists",
@@ -95,16 +98,18 @@ class HostTier:
         self.pool, opened = open_pool(pool_path, geometry, populate=config.prefault)
         staging = staging_geometry(geometry)
         self.staging = open_staging(staging_path(pool_path), staging, populate=config.prefault)
-        # A staging slot's stamp is the boot of the agent that lent it, 0 once it is free
-        # again: slots an earlier agent had lent may still be written by its clients, so
-        # they rest for a lease's length before this agent lends them; the others are free.
-        self._lender = boot or 1  # any non-zero stamp marks a lent slot
-        lent = self.staging.generations() != 0
-        until = time.monotonic() + lease_seconds
+        # A staging slot's stamp is its lease's deadline (ns on the wall clock, the one clock
+        # two agent processes share), 0 once it is free again: slots an earlier agent had
+        # lent may still be written by its clients, so each rests until a lease's length
+        # past that deadline, as a lease that expires under a living agent does.
+        lent = self.staging.generations()
+        now, wall = time.monotonic(), time.time_ns()
+        until = now + lease_seconds
         self._staging_resting = RestingSlots()
         for slot in np.flatnonzero(lent).tolist():
-            self._staging_resting.add(slot, until)
-        self._staging_free = [int(slot) for slot in np.flatnonzero(~lent)[::-1]]
+            left = min(max(int(lent[slot]) - wall, 0) / 1e9, _LONGEST_DEADLINE)
+            self._staging_resting.add(slot, until + left)
+        self._staging_free = [int(slot) for slot in np.flatnonzero(lent == 0)[::-1]]
         # A shrunk pool or staging area keeps its tail until then (see pool.trim).
         self._trim_at: float | None = until
         self._staged: dict[int, dict[int, int]] = {}  # store lease -> pool slot -> staging slot
@@ -232,6 +237,7 @@ class HostTier:
                 "the engine's row size must match the agent's host.chunkBytes"
             )
         staging = [-1] * len(keys)
+        deadline_ns = time.time_ns() + int(self.lease_seconds * 1e9)
         with self._lock:
             lease, slots, generations, _ = self._index.allocate(
                 client,
@@ -247,7 +253,7 @@ class HostTier:
                 if slot >= 0:
                     self._claim(slot, namespace, keys[i], generation)
                     staging[i] = staged[slot] = self._staging_free.pop()
-                    self.staging.set_generation(staging[i], self._lender)
+                    self.staging.set_generation(staging[i], deadline_ns)
             if lease:
                 self._staged[lease] = staged
         for slot in slots:
