@@ -159,6 +159,33 @@ def test_a_staging_slot_lent_before_a_restart_rests_a_lease_past_its_deadline(
         before.close()
 
 
+def test_a_shrunk_pool_keeps_its_tail_while_a_staging_slot_lent_before_rests(
+    scratch: Path,
+) -> None:
+    """A restart with a smaller capacity cuts the files' tails only once the staging slots
+    the earlier agent had lent are done resting: a writer still copying into a cut tail
+    would die of SIGBUS, taking its engine with it."""
+    lease = 1.0
+
+    def config(slots: int) -> HostTierConfig:
+        capacity = slots * (ROW + 4096) + 4096
+        return HostTierConfig(capacity=capacity, chunk_bytes=ROW, pool_dir=scratch, prefault=False)
+
+    path = scratch / "pool"
+    before = HostTier(config(SLOTS), path, AgentMetrics(), lease_seconds=lease, boot=1)
+    before.allocate("c", NS, [key(5)], ROW)
+    after = HostTier(config(SLOTS // 2), path, AgentMetrics(), lease_seconds=lease, boot=2)
+    try:
+        started, size = time.monotonic(), after.geometry.file_bytes
+        after.reclaim(started + lease + 0.5, [])
+        assert path.stat().st_size > size
+        after.reclaim(started + 2 * lease + 0.1, [])
+        assert path.stat().st_size == size
+    finally:
+        after.close()
+        before.close()
+
+
 def test_a_commit_publishes_only_what_matches_the_clients_checksums(tier: HostTier) -> None:
     """The client's staging sum of each row it staged comes with the commit: a staged
     chunk whose bytes changed before the agent copied it is dropped and counted, the others

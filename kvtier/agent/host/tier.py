@@ -106,12 +106,15 @@ class HostTier:
         now, wall = time.monotonic(), time.time_ns()
         until = now + lease_seconds
         self._staging_resting = RestingSlots()
+        last = until
         for slot in np.flatnonzero(lent).tolist():
             left = min(max(int(lent[slot]) - wall, 0) / 1e9, _LONGEST_DEADLINE)
             self._staging_resting.add(slot, until + left)
+            last = max(last, until + left)
         self._staging_free = [int(slot) for slot in np.flatnonzero(lent == 0)[::-1]]
-        # A shrunk pool or staging area keeps its tail until then (see pool.trim).
-        self._trim_at: float | None = until
+        # A shrunk pool or staging area keeps its tail until the last of those rests ends
+        # (see pool.trim): a writer still copying into a cut tail would die of SIGBUS.
+        self._trim_at: float | None = last
         self._staged: dict[int, dict[int, int]] = {}  # store lease -> pool slot -> staging slot
         # Clients read it to answer lookups themselves; a fresh one per agent process (the
         # one it replaces is marked retired, so its readers reconnect).
