@@ -17,7 +17,14 @@ from kvtier.agent.host.index import Entry, Grant
 from kvtier.agent.host.tier import HostTier
 from kvtier.agent.report.metrics import AgentMetrics
 from kvtier.api.config import HostTierConfig
-from kvtier.shm.pool import HELD_PIECE, SUM_CRC32, SUM_LANES, copy_held, copy_summed
+from kvtier.shm.pool import (
+    HELD_PIECE,
+    SUM_CRC32,
+    SUM_LANES,
+    copy_held,
+    copy_summed,
+    staging_path,
+)
 from kvtier.shm.table import digests
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
@@ -125,6 +132,11 @@ def test_checksums_run_without_the_lock_and_spare_a_slot_taken_meanwhile(
     assert tier.stats().corrupt == 0
 
 
+def _sized(scratch: Path, slots: int) -> HostTierConfig:
+    capacity = slots * (ROW + 4096) + 4096
+    return HostTierConfig(capacity=capacity, chunk_bytes=ROW, pool_dir=scratch, prefault=False)
+
+
 def test_a_staging_slot_lent_before_a_restart_rests_a_lease_past_its_deadline(
     scratch: Path,
 ) -> None:
@@ -132,19 +144,18 @@ def test_a_staging_slot_lent_before_a_restart_rests_a_lease_past_its_deadline(
     lease, still copies into it. The next agent lends that slot only a lease's length past
     the old lease's deadline (as a lease that expires under a living agent rests), so the
     late bytes never land in a slot another store was given, even one that commits without
-    sums; by then the slot is free again."""
-    lease = 1.0
-    config = HostTierConfig(
-        capacity=SLOTS * (ROW + 4096) + 4096, chunk_bytes=ROW, pool_dir=scratch, prefault=False
-    )
-    before = HostTier(config, scratch / "pool", AgentMetrics(), lease_seconds=lease, boot=1)
+    sums; by then the slot is free again. (The times reclaim is told are made up: the
+    lease is long, so the test holds however slowly it runs.)"""
+    lease = 30.0
+    path = scratch / "pool"
+    before = HostTier(_sized(scratch, SLOTS), path, AgentMetrics(), lease_seconds=lease, boot=1)
     late = before.allocate("c", NS, [key(5)], ROW).staging[0]
-    after = HostTier(config, scratch / "pool", AgentMetrics(), lease_seconds=lease, boot=2)
+    after = HostTier(_sized(scratch, SLOTS), path, AgentMetrics(), lease_seconds=lease, boot=2)
     try:
         started = time.monotonic()
         staging = after.stats().staging_slots
         assert after.stats().free_staging_slots == staging - 1
-        after.reclaim(started + lease + 0.5, [])  # the late writer's copy is due about now
+        after.reclaim(started + 1.5 * lease, [])  # one lease from the restart is over
         assert after.stats().free_staging_slots == staging - 1
         grant = after.allocate("c", NS, [key(1)], ROW)
         assert late not in grant.staging
@@ -152,35 +163,36 @@ def test_a_staging_slot_lent_before_a_restart_rests_a_lease_past_its_deadline(
         before.staging.payload(late, ROW)[:] = row(5, ROW)  # the late writer, at last
         after.commit(grant.lease, "c")
         assert np.array_equal(after.pool.payload(grant.slots[0], ROW), row(1, ROW))
-        after.reclaim(started + 2 * lease + 0.1, [])
+        after.reclaim(started + 2 * lease + 1, [])
         assert after.stats().free_staging_slots == staging
     finally:
         after.close()
         before.close()
 
 
-def test_a_shrunk_pool_keeps_its_tail_while_a_staging_slot_lent_before_rests(
+def test_a_shrunk_pool_keeps_its_tails_while_staging_slots_lent_before_rest(
     scratch: Path,
 ) -> None:
-    """A restart with a smaller capacity cuts the files' tails only once the staging slots
-    the earlier agent had lent are done resting: a writer still copying into a cut tail
-    would die of SIGBUS, taking its engine with it."""
-    lease = 1.0
-
-    def config(slots: int) -> HostTierConfig:
-        capacity = slots * (ROW + 4096) + 4096
-        return HostTierConfig(capacity=capacity, chunk_bytes=ROW, pool_dir=scratch, prefault=False)
-
-    path = scratch / "pool"
-    before = HostTier(config(SLOTS), path, AgentMetrics(), lease_seconds=lease, boot=1)
-    before.allocate("c", NS, [key(5)], ROW)
-    after = HostTier(config(SLOTS // 2), path, AgentMetrics(), lease_seconds=lease, boot=2)
+    """A restart with a smaller capacity cuts the pool's and the staging area's tails only
+    once every staging slot the earlier agent had lent is done resting, even where all of
+    them are in the staging area's cut tail (lent to nobody again): a writer still copying
+    into a cut tail would die of SIGBUS, taking its engine with it."""
+    lease = 30.0
+    path, staged = scratch / "pool", staging_path(scratch / "pool")
+    before = HostTier(_sized(scratch, 2 * SLOTS), path, AgentMetrics(), lease_seconds=lease)
+    head = before.allocate("c", NS, [key(0), key(1)], ROW)
+    tail = before.allocate("c", NS, [key(2), key(3)], ROW)
+    before.abort(head.lease, "c")  # only the tail's slots are still lent
+    after = HostTier(_sized(scratch, SLOTS), path, AgentMetrics(), lease_seconds=lease)
     try:
-        started, size = time.monotonic(), after.geometry.file_bytes
-        after.reclaim(started + lease + 0.5, [])
-        assert path.stat().st_size > size
-        after.reclaim(started + 2 * lease + 0.1, [])
-        assert path.stat().st_size == size
+        assert min(tail.staging) >= after.stats().staging_slots  # all in the cut tail
+        sizes = (after.geometry.file_bytes, after.staging.geometry.file_bytes)
+        started = time.monotonic()
+        after.reclaim(started + 1.5 * lease, [])
+        assert path.stat().st_size > sizes[0] and staged.stat().st_size > sizes[1]
+        assert after.stats().free_staging_slots == after.stats().staging_slots
+        after.reclaim(started + 2 * lease + 1, [])
+        assert (path.stat().st_size, staged.stat().st_size) == sizes
     finally:
         after.close()
         before.close()

@@ -26,6 +26,7 @@ from kvtier.api.pool_layout import (
     SLOT_HEADER_BYTES,
     STAMP_OFFSET,
     SUPERBLOCK,
+    SUPERBLOCK_BYTES,
     PoolGeometry,
 )
 from kvtier.shm.files import new_file
@@ -185,6 +186,21 @@ def create(path: Path, geometry: PoolGeometry, mode: int) -> None:
     first, so the volume needs room for one of them, not both."""
     path.unlink(missing_ok=True)
     os.replace(new_file(path, geometry.file_bytes, mode, geometry.pack()), path)
+
+
+def lent_stamps(path: Path, geometry: PoolGeometry) -> npt.NDArray[np.uint64]:
+    """The stamps of every slot the staging file at `path` still backs, a shrunk file's
+    untrimmed tail included, where `open_staging` would reuse it for `geometry`: an earlier
+    agent's clients may still write any of those slots. Empty where it would not."""
+    existing = superblock_of(path)
+    if existing is None or existing.payload_bytes != geometry.payload_bytes:
+        return np.zeros(0, np.uint64)
+    backed = (path.stat().st_size - SUPERBLOCK_BYTES) // existing.stride
+    old = PoolMap(path, PoolGeometry(existing.payload_bytes, max(backed, 0)), False, False)
+    try:
+        return old.generations()
+    finally:
+        old.close()
 
 
 def open_staging(path: Path, geometry: PoolGeometry, populate: bool) -> PoolMap:

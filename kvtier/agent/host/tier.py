@@ -53,6 +53,7 @@ from kvtier.shm.pool import (
     SUM_CRC32,
     SUM_LANES,
     copy_summed,
+    lent_stamps,
     open_staging,
     staging_path,
     trim,
@@ -65,9 +66,10 @@ TIER = "host"
 # Holders of the agent's own leases; ':' is never part of a client id (see protocol.py).
 PROMOTER = "agent:promoter"  # slots being filled from a secondary tier
 LENDER = "agent:peer"  # chunks being sent to other agents
-# How far ahead an earlier agent's staging deadline is believed: past it the wall clock
-# went back, and its slots would otherwise rest for as long as it went.
-_LONGEST_DEADLINE = 3600.0
+# How far ahead of now a staging slot's deadline is believed (and stamped): a stamp further
+# out is from before the node's clock restarted, or written by a client of the tier, and
+# would keep its slot from being lent, and a shrunk area's tail from being cut, for as long.
+_LONGEST_DEADLINE = 600.0
 # FULL is the index's own count
 _SKIP_REASONS: dict[int, StoreSkip] = {
     StoreCode.EXISTS: "exists",
@@ -97,24 +99,29 @@ class HostTier:
                 log.warning("removed %s, made by uid %d and not by this agent", path, owner)
         self.pool, opened = open_pool(pool_path, geometry, populate=config.prefault)
         staging = staging_geometry(geometry)
-        self.staging = open_staging(staging_path(pool_path), staging, populate=config.prefault)
-        # A staging slot's stamp is its lease's deadline (ns on the wall clock, the one clock
-        # two agent processes share), 0 once it is free again: slots an earlier agent had
+        # A staging slot's stamp is its lease's deadline (ns on CLOCK_MONOTONIC, which every
+        # process of the node shares), 0 once it is free again: slots an earlier agent had
         # lent may still be written by its clients, so each rests until a lease's length
-        # past that deadline, as a lease that expires under a living agent does.
-        lent = self.staging.generations()
-        now, wall = time.monotonic(), time.time_ns()
-        until = now + lease_seconds
+        # past that deadline, as a lease that expires under a living agent does; a shrunk
+        # area or pool keeps its tail until the last of those rests ends (see pool.trim),
+        # since a writer still copying into a cut tail would die of SIGBUS.
+        lent = lent_stamps(staging_path(pool_path), staging)
+        self.staging = open_staging(staging_path(pool_path), staging, populate=config.prefault)
+        now, clock = time.monotonic(), time.monotonic_ns()
         self._staging_resting = RestingSlots()
-        last = until
+        self._trim_at: float | None = now + lease_seconds
         for slot in np.flatnonzero(lent).tolist():
-            left = min(max(int(lent[slot]) - wall, 0) / 1e9, _LONGEST_DEADLINE)
-            self._staging_resting.add(slot, until + left)
-            last = max(last, until + left)
-        self._staging_free = [int(slot) for slot in np.flatnonzero(lent == 0)[::-1]]
-        # A shrunk pool or staging area keeps its tail until the last of those rests ends
-        # (see pool.trim): a writer still copying into a cut tail would die of SIGBUS.
-        self._trim_at: float | None = last
+            ahead = min(max(int(lent[slot]) - clock, 0) / 1e9, _LONGEST_DEADLINE)
+            until = now + ahead + lease_seconds
+            self._trim_at = max(self._trim_at, until)
+            if slot < staging.slot_count:
+                self._staging_resting.add(slot, until)
+        lendable = lent[: staging.slot_count]
+        self._staging_free = [
+            slot
+            for slot in range(staging.slot_count - 1, -1, -1)
+            if slot >= len(lendable) or not lendable[slot]
+        ]
         self._staged: dict[int, dict[int, int]] = {}  # store lease -> pool slot -> staging slot
         # Clients read it to answer lookups themselves; a fresh one per agent process (the
         # one it replaces is marked retired, so its readers reconnect).
@@ -240,8 +247,9 @@ class HostTier:
                 "the engine's row size must match the agent's host.chunkBytes"
             )
         staging = [-1] * len(keys)
-        deadline_ns = time.time_ns() + int(self.lease_seconds * 1e9)
+        ahead = int(min(self.lease_seconds, _LONGEST_DEADLINE) * 1e9)
         with self._lock:
+            deadline_ns = time.monotonic_ns() + ahead  # the staging slots' stamp
             lease, slots, generations, _ = self._index.allocate(
                 client,
                 namespace,
