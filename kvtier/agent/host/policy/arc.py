@@ -104,8 +104,14 @@ class ARCPolicy(EvictionPolicy):
         if chunk in t1 or chunk in t2:
             return  # resident already (a hit): nothing changes, the bounds still hold
         parent = self._announced.pop(chunk, None)
-        if parent is not None:
-            self._link(chunk, parent, t1 if parent in t1 else t2 if parent in t2 else None)
+        if parent is not None:  # _link, inlined: every stored chunk comes here
+            held = t1 if parent in t1 else t2 if parent in t2 else None
+            if held is not None or parent in self._batch:
+                self._parent[chunk] = parent
+                kids = self._kids
+                kids[parent] = kids.get(parent, 0) + 1
+            if held is not None:
+                held.move_to_end(parent)
         if chunk in b1 or chunk in b2:
             if chunk in self._adapted:
                 self._adapted.discard(chunk)
@@ -150,14 +156,15 @@ class ARCPolicy(EvictionPolicy):
                 return
 
     def _leave(self, chunk: ChunkId) -> None:
+        kids = self._kids
         parent = self._parent.pop(chunk, None)
         if parent is not None:
-            left = self._kids[parent] - 1
+            left = kids[parent] - 1
             if left:
-                self._kids[parent] = left
+                kids[parent] = left
             else:
-                del self._kids[parent]
-        if self._kids.pop(chunk, None):  # forced out: its children are roots now
+                del kids[parent]
+        if chunk in kids and kids.pop(chunk):  # forced out: its children are roots now
             for child in [k for k, p in self._parent.items() if p == chunk]:
                 del self._parent[child]
 
