@@ -176,6 +176,36 @@ def test_adaptive_follows_one_candidate_and_keeps_the_others_in_step() -> None:
     assert "a" in policy.members[0].t1  # the chunk used at every step stays, under any leader
 
 
+@pytest.mark.parametrize("told", [True, False])
+def test_a_following_pool_has_no_arc_member_and_evicts_by_lru_under_an_arc_lead(
+    told: bool,
+) -> None:
+    """Where the pool follows its leader's shadow it keeps `lru` and `prefix` members only:
+    under `arc`'s lead a victim is what the leader's shadow evicted (`told`: the shadows saw
+    the store first) or else the `lru` member's least recently used leaf, and each member
+    still holds exactly the pool's chunks."""
+    from kvtier.agent.host.policy import AdaptivePolicy
+    from kvtier.agent.host.policy.prefix import PrefixPolicy
+
+    policy = AdaptivePolicy(8)
+    assert [m.name for m in policy.members] == ["lru", "prefix"]
+    assert policy.names[policy.leader] == "arc"
+    for k in "abcdefgh":
+        policy.on_parents([(k, None)])
+        policy.on_inserts([k])
+    policy.on_hits(["a"])
+    if told:
+        policy.on_parents([("i", None)])
+    assert policy.evict(always, "i") == "b"
+    policy.on_inserts(["i"])
+    assert policy.describe()["leader"] == "arc" and len(policy) == 8
+    held = set("acdefghi")
+    assert set(policy.members[0].t1) == held
+    prefix = policy.members[1]
+    assert isinstance(prefix, PrefixPolicy) and prefix.arc is not None  # no parents named yet
+    assert set(prefix.arc.t1) | set(prefix.arc.t2) == held
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_each_policys_own_state_reaches_the_stats_reply(name: str) -> None:
     policy = make_policy(name, 4)

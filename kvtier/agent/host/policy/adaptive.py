@@ -1,9 +1,10 @@
 """Eviction that follows the traffic: candidate policies run side by side on the pool, and
 the one that would hit most on the traffic of now chooses the victims.
 
-Each candidate (`lru`, `prefix` and `arc`, all leaves of the prefix tree first) is told every
-store, hit and eviction, so each always orders the chunks actually resident and any of
-them can take over at once. Which one evicts is decided by shadow caches: for each
+Each candidate (`lru`, `prefix` and `arc`, all leaves of the prefix tree first) has a
+member told every store, hit and eviction, so each always orders the chunks actually
+resident and any of them can take over at once (where the pool follows its leader's
+shadow, below, all but `arc`'s). Which one evicts is decided by shadow caches: for each
 candidate, a copy of it at `rate` times the pool's size, fed only the chunks whose key
 hashes below `rate` (a scaled-down copy of the traffic, as SHARDS samples miss-ratio
 curves; `rate` is 1 for pools of up to 4,096 chunks and 4,096 chunks' worth above; the key's
@@ -23,11 +24,13 @@ shared). Candidates within noise of each other would otherwise trade the lead ba
 forth, and each change hands a pool shaped by one policy to another, a cost no shadow sees.
 Where the shadows are the pool's size (`rate` 1, 8 chunks or more) the pool also takes the
 leader's shape: a chunk the leader's shadow has evicted goes first, so after a change the
-pool converges on the leader's own contents and then evicts as it does. `arc` leads first:
+pool converges on the leader's own contents and then evicts as it does. A member then
+chooses only when none of those may go (under an `arc` lead, the `lru` member), and
+`prefix`'s turns stores away by its own state. `arc` leads first:
 it was the best of the three at most budgets of the trace suite
 (`python -m kvtier.bench.eviction`).
 
-What it costs: every candidate's state for every resident chunk, plus the shadows (a few
+What it costs: every member's state for every resident chunk, plus the shadows (a few
 thousand entries whatever the pool), and each access reaches every candidate. Its state
 and decisions (`leader`, `switches`, each shadow's score, the chunks still to converge) are
 in `describe`.
@@ -187,6 +190,11 @@ class AdaptivePolicy(EvictionPolicy):
         following = follow and small == capacity and n > 1 and "lru" in self.names
         lru = self.members[self.names.index("lru")] if following else None
         self._lru = lru if isinstance(lru, KeyedLRUPolicy) else None
+        if self._lru is not None:
+            # The `arc` member would choose only what the stale chunks leave: a sixth of
+            # the work per access, for no hits over the trace suite (docs/replay.md).
+            self.members = [m for m in self.members if m.name != "arc"]
+        self._by_name = {m.name: m for m in self.members}
         self._stale: OrderedDict[ChunkId, None] = OrderedDict()  # (trimmed at its front)
 
     def _tell(self, path: Sequence[ChunkId]) -> None:
@@ -320,16 +328,23 @@ class AdaptivePolicy(EvictionPolicy):
                 for member in self.members:
                     member.on_evicted(chunk)
                 return chunk
-        victim = self.members[self.leader].evict(evictable, incoming)
+        chooser = self._chooser()
+        victim = chooser.evict(evictable, incoming)
         if victim is not None:
-            self._stale.pop(victim, None)
-            for i, member in enumerate(self.members):
-                if i != self.leader:
+            stale.pop(victim, None)
+            for member in self.members:
+                if member is not chooser:
                     member.on_evicted(victim)
         return victim
 
+    def _chooser(self) -> EvictionPolicy:
+        """The member that evicts: the leader's, or `lru` where the leader has none."""
+        chooser = self._by_name.get(self.names[self.leader], self._lru)
+        assert chooser is not None  # every candidate has a member unless following
+        return chooser
+
     def __len__(self) -> int:
-        return len(self.members[self.leader])
+        return len(self._chooser())
 
     def describe(self) -> dict[str, Any]:
         return {
