@@ -31,9 +31,9 @@ it was the best of the three at most budgets of the trace suite
 (`python -m kvtier.bench.eviction`).
 
 What it costs: every member's state for every resident chunk, plus the shadows (a few
-thousand entries whatever the pool), and each access reaches every candidate. Its state
-and decisions (`leader`, `switches`, each shadow's score, the chunks still to converge) are
-in `describe`.
+thousand entries whatever the pool), and each access reaches every member and shadow. Its
+state and decisions (`leader`, `switches`, each shadow's score, the chunks still to
+converge) are in `describe`.
 """
 
 from __future__ import annotations
