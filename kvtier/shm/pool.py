@@ -192,11 +192,10 @@ def lent_stamps(path: Path, geometry: PoolGeometry) -> npt.NDArray[np.uint64]:
     """The stamps of every slot the staging file at `path` still backs, a shrunk file's
     untrimmed tail included, where `open_staging` would reuse it for `geometry`: an earlier
     agent's clients may still write any of those slots. Empty where it would not."""
-    existing = superblock_of(path)
-    if existing is None or existing.payload_bytes != geometry.payload_bytes:
+    if not resizable(path, geometry):
         return np.zeros(0, np.uint64)
-    backed = (path.stat().st_size - SUPERBLOCK_BYTES) // existing.stride
-    old = PoolMap(path, PoolGeometry(existing.payload_bytes, max(backed, 0)), False, False)
+    backed = max((path.stat().st_size - SUPERBLOCK_BYTES) // geometry.stride, 0)
+    old = PoolMap(path, PoolGeometry(geometry.payload_bytes, backed), False, False)
     try:
         return old.generations()
     finally:

@@ -116,12 +116,8 @@ class HostTier:
             self._trim_at = max(self._trim_at, until)
             if slot < staging.slot_count:
                 self._staging_resting.add(slot, until)
-        lendable = lent[: staging.slot_count]
-        self._staging_free = [
-            slot
-            for slot in range(staging.slot_count - 1, -1, -1)
-            if slot >= len(lendable) or not lendable[slot]
-        ]
+        unlent = np.flatnonzero(self.staging.generations() == 0)  # grown slots read 0
+        self._staging_free = [int(slot) for slot in unlent[::-1]]
         self._staged: dict[int, dict[int, int]] = {}  # store lease -> pool slot -> staging slot
         # Clients read it to answer lookups themselves; a fresh one per agent process (the
         # one it replaces is marked retired, so its readers reconnect).
