@@ -27,6 +27,7 @@ from rich.progress import Progress
 
 from kvtier.api.config import AgentConfig
 from kvtier.api.pool_layout import PAGE
+from kvtier.bench import sealed_segments
 from kvtier.bench.baseline import (
     memcpy_rows,
     python_spinning,
@@ -402,7 +403,7 @@ def run(quick: bool) -> dict[str, Any]:
     with Progress(transient=True) as progress:
         task = progress.add_task(
             "host tier vs memcpy",
-            total=len(sizes) * len(thread_counts) + len(BESIDE_PYTHON_ROWS) + 3,
+            total=len(sizes) * len(thread_counts) + len(BESIDE_PYTHON_ROWS) + 4,
         )
         for row in sizes:
             for threads in thread_counts:
@@ -418,6 +419,8 @@ def run(quick: bool) -> dict[str, Any]:
         rtt = ipc_round_trip(200 if quick else 1000)
         progress.advance(task)
         index = index_footprint_and_rate(1 << 20)
+        progress.advance(task)
+        segments = sealed_segments.run(quick)
         progress.advance(task)
 
     def worst(op: str, field: str = "ratio", beside_python: bool = False) -> float:
@@ -447,4 +450,11 @@ def run(quick: bool) -> dict[str, Any]:
         "ipc_rtt_p99_us": rtt["p99_us"],
         "lookup_p99_ratio_vs_ipc_rtt": lookup["1k"]["p99_us"] / rtt["p99_us"],
         **index,
+        "sealed_segments": segments,
+        **{
+            f"sealed_store_ratio_{pages.replace(' ', '').lower()}_pages": min(
+                c["ratio"] for c in segments["cases"] if c["pages"] == pages
+            )
+            for pages in {c["pages"] for c in segments["cases"]}
+        },
     }

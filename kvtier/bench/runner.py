@@ -68,6 +68,26 @@ def render_host(result: dict[str, Any], console: Console) -> None:
         f"entry published, {r['agent_index_bytes_per_entry']:.0f} in the agent; "
         f"{r['index_lookups_per_s'] / 1e6:.1f} M batched lookups/s"
     )
+    segments = r["sealed_segments"]
+    sealed = Table(title="one copy into sealed memfd segments vs memcpy, GB/s (same run)")
+    for col in ("pages", "row", "sealed store", "memcpy", "ratio", "with allocation", "ratio"):
+        sealed.add_column(col, justify="right")
+    for c in segments["cases"]:
+        sealed.add_row(
+            c["pages"],
+            format_bytes(c["row_bytes"]),
+            f"{c['sealed_store_gbps']:.2f}",
+            f"{c['memcpy_gbps']:.2f}",
+            f"{c['ratio']:.2f}",
+            f"{c['with_allocation_gbps']:.2f}",
+            f"{c['ratio_with_allocation']:.2f}",
+        )
+    console.print(sealed)
+    if segments["huge_pages_free"] < segments["huge_pages_needed"]:
+        console.print(
+            f"2 MiB pages: {segments['huge_pages_free']} free, "
+            f"{segments['huge_pages_needed']} needed (vm.nr_hugepages), not measured"
+        )
 
 
 def render_tiers(result: dict[str, Any], console: Console) -> None:
