@@ -10,11 +10,11 @@ no process can write it again, by `write`, a mapping or `fallocate`). The kernel
 the seal while any process still maps the segment writable, so a client that kept its
 mapping has its store dropped, never published half-written. Measured per round, from the
 descriptor sent to the seal in place (and from the segment's allocation, which zeroes its
-pages: a stream of stores pays that too, off its path), with segments of 4 KiB pages (shmem) and, where the
-machine has free huge pages, of 2 MiB pages (`MFD_HUGETLB`; on Kubernetes the
-`hugepages-2Mi` resource): a fresh segment costs the client one page-table entry per page
-when it maps it, about 0.6 µs per 4 KiB on the machines this ran on, which 2 MiB pages cut
-512-fold.
+pages: a stream of stores pays that too, off its path), with segments of 4 KiB pages
+(shmem) and, where the machine has free huge pages, of 2 MiB pages (`MFD_HUGETLB`; on
+Kubernetes the `hugepages-2Mi` resource): a fresh segment costs the client one page-table
+entry per page when it maps it, about 0.6 µs per 4 KiB on the VM it was measured on, which
+2 MiB pages cut 512-fold.
 
 What it is not yet: a chunk stored so lives in a segment the agent holds, not in the pool
 file, so a restart loses it unless something outside the agent keeps the descriptors, other
