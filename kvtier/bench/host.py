@@ -455,6 +455,6 @@ def run(quick: bool) -> dict[str, Any]:
             f"sealed_store_ratio_{pages.replace(' ', '').lower()}_pages": min(
                 c["ratio"] for c in segments["cases"] if c["pages"] == pages
             )
-            for pages in {c["pages"] for c in segments["cases"]}
+            for pages in sorted({c["pages"] for c in segments["cases"]})
         },
     }

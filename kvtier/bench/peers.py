@@ -179,6 +179,8 @@ def measure(
 def _measure_pair(
     place: Place, a: AgentConfig, b: AgentConfig, row: int, chunks: int, rounds: int, lookups: int
 ) -> tuple[list[float], list[float], list[float], PeerCounts]:
+    """`measure`'s rounds, with the pair's agents running (they have stopped when it
+    returns, so their pools can go)."""
     kv, raw, latencies = [], [], []
     with (
         AgentProcess(a, prefix=place.prefixes[0]),

@@ -83,11 +83,8 @@ def render_host(result: dict[str, Any], console: Console) -> None:
             f"{c['ratio_with_allocation']:.2f}",
         )
     console.print(sealed)
-    if segments["huge_pages_free"] < segments["huge_pages_needed"]:
-        console.print(
-            f"2 MiB pages: {segments['huge_pages_free']} free, "
-            f"{segments['huge_pages_needed']} needed (vm.nr_hugepages), not measured"
-        )
+    if segments["huge_pages_not_measured"]:
+        console.print(f"2 MiB pages not measured: {segments['huge_pages_not_measured']}")
 
 
 def render_tiers(result: dict[str, Any], console: Console) -> None:

@@ -3,18 +3,18 @@ memfd segments, measured against memcpy in the same run (`kvtier bench host` run
 
 The host tier's store copies twice (the client into staging, the agent into the pool),
 because the pool is the agent's to write. Here the agent makes a segment (`memfd_create`
-with sealing allowed) and allocates its pages ahead, off the store path and charged to
-itself; it hands the descriptor to the client over a unix socket (SCM_RIGHTS); the client
-maps it, copies its rows in, unmaps it and says so; the agent then seals it (F_SEAL_WRITE:
-no process can write it again, by `write`, a mapping or `fallocate`). The kernel refuses
-the seal while any process still maps the segment writable, so a client that kept its
+with sealing allowed) and faults its pages in ahead, off the store path and charged to
+itself (zeroing them); it hands the descriptor to the client over a unix socket
+(SCM_RIGHTS); the client maps it, copies its rows in, unmaps it and says so; the agent then
+seals it (F_SEAL_WRITE, SHRINK, GROW: no process can write, shrink or grow it again) and
+checks its size, which the client could have cut before the seal. The kernel refuses the
+seal (EBUSY) while any process still maps the segment writable, so a client that kept its
 mapping has its store dropped, never published half-written. Measured per round, from the
-descriptor sent to the seal in place (and from the segment's allocation, which zeroes its
-pages: a stream of stores pays that too, off its path), with segments of 4 KiB pages
-(shmem) and, where the machine has free huge pages, of 2 MiB pages (`MFD_HUGETLB`; on
-Kubernetes the `hugepages-2Mi` resource): a fresh segment costs the client one page-table
-entry per page when it maps it, about 0.6 µs per 4 KiB on the VM it was measured on, which
-2 MiB pages cut 512-fold.
+descriptor sent to the seal in place (and from the segment's making, which a stream of
+stores pays too, off its path), with segments of 4 KiB pages (shmem) and, where the machine
+has free 2 MiB huge pages, of those (`MFD_HUGETLB | MFD_HUGE_2MB`; on Kubernetes the
+`hugepages-2Mi` resource): a fresh segment costs the client one page-table entry per page
+when it maps it, which 2 MiB pages cut 512-fold.
 
 What it is not yet: a chunk stored so lives in a segment the agent holds, not in the pool
 file, so a restart loses it unless something outside the agent keeps the descriptors, other
@@ -23,6 +23,7 @@ clients need the descriptor to read it, and memory comes back a whole segment at
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -40,50 +41,84 @@ from kvtier.bench.baseline import shared_buffer
 
 MiB = 1 << 20
 HUGE_PAGE = 2 * MiB
+HUGE_PAGES = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+REPLY_SECONDS = 60.0  # a client that says nothing for this long failed
 
 
 def huge_pages_free() -> int:
-    """Free 2 MiB huge pages on this machine (0 where the kernel reports none)."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("HugePages_Free:"):
-            return int(line.split()[1])
-    return 0
+    """2 MiB huge pages free and not reserved on this machine (0 where it has none)."""
+    try:
+        free = int((HUGE_PAGES / "free_hugepages").read_text())
+        return free - int((HUGE_PAGES / "resv_hugepages").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def shmem_huge_pages() -> str:
+    """The kernel's setting for huge pages in shmem, which memfds of "4 KiB pages" follow."""
+    try:
+        path = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        return next(w.strip("[]") for w in path.read_text().split() if w.startswith("["))
+    except (OSError, StopIteration):
+        return "unknown"
 
 
 def new_segment(nbytes: int, huge: bool) -> int:
-    """The agent's side, off the store path: a sealable memfd with its pages allocated."""
-    fd = os.memfd_create("kvtier-segment", os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if huge else 0))
+    """The agent's side, off the store path: a sealable memfd with its pages in memory and
+    zeroed (shmem's `fallocate` leaves that to the first fault, so they are faulted here;
+    hugetlbfs's zeroes them itself)."""
+    flags = os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB | os.MFD_HUGE_2MB if huge else 0)
+    fd = os.memfd_create("kvtier-segment", flags)
     try:
         os.ftruncate(fd, nbytes)
         os.posix_fallocate(fd, 0, nbytes)
+        if not huge:
+            mmap.mmap(fd, nbytes, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ).close()
     except OSError:
         os.close(fd)
         raise
     return fd
 
 
-def seal(fd: int) -> bool:
-    """Seal a segment against every write; False where a writable mapping still exists."""
+def seal(fd: int, nbytes: int) -> bool:
+    """Seal a segment against every write and resize; False where a process still maps it
+    writable (EBUSY) or it is not `nbytes` long any more (cut before the seal: mapped at
+    its length, it would kill the reader with SIGBUS). Other errors are raised."""
     try:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-    except OSError:
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise
         return False
-    return True
+    return os.fstat(fd).st_size == nbytes
 
 
 def writable_after_seal(fd: int, nbytes: int) -> bool:
-    """Whether anything can still write a sealed segment (a mapping or `pwrite`)."""
+    """Whether anything can still write or resize a sealed segment."""
     try:
         mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE).close()
         return True
     except PermissionError:
         pass
+    shorter = max(0, nbytes - HUGE_PAGE)  # a length hugetlbfs takes too
+    for attempt in (lambda: os.pwrite(fd, b"x", 0), lambda: os.ftruncate(fd, shorter)):
+        try:
+            attempt()
+            return True
+        except OSError:  # EPERM sealed; EINVAL for pwrite on hugetlbfs, which has no write()
+            pass
+    return False
+
+
+def read_back(fd: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """A sealed segment's bytes, copied out. A private mapping: kernels before 6.7 refuse a
+    shared one, even read-only, of a write-sealed memfd."""
+    view = mmap.mmap(fd, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ)
     try:
-        os.pwrite(fd, b"x", 0)
-        return True
-    except OSError:  # EPERM sealed; EINVAL on hugetlbfs, which has no write()
-        return False
+        return np.frombuffer(view, np.uint8).copy()
+    finally:
+        view.close()
 
 
 def _client(sock: socket.socket, row: int, rows: int) -> None:
@@ -97,7 +132,7 @@ def _client(sock: socket.socket, row: int, rows: int) -> None:
     kept: list[mmap.mmap] = []
     while True:
         msg, fds, _, _ = socket.recv_fds(sock, 16, 1)
-        if msg == b"stop":
+        if msg in (b"stop", b""):
             return
         if msg == b"base":
             for r, view in enumerate(views):
@@ -121,51 +156,61 @@ def _client(sock: socket.socket, row: int, rows: int) -> None:
         sock.send(b"done")
 
 
+def _ask(sock: socket.socket, message: bytes, fds: list[int]) -> None:
+    socket.send_fds(sock, [message], fds)
+    if sock.recv(16) != b"done":
+        raise RuntimeError(f"the client process failed at {message.decode()!r}")
+
+
 def measure(row: int, rows: int, rounds: int, huge: bool) -> dict[str, Any]:
     """Stores of `rows` rows of `row` bytes into sealed segments, against memcpy of the same
-    rows in the client's process, alternating round by round."""
+    rows in the client's process, alternating round by round. The first round's segment is
+    read back and compared with the client's rows, and tried for writes after its seal."""
     nbytes = row * rows
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.settimeout(REPLY_SECONDS)
     client = subprocess.Popen(
         [sys.executable, "-m", __name__, str(theirs.fileno()), str(row), str(rows)],
         pass_fds=[theirs.fileno()],
     )
     theirs.close()
-    base, sealed, whole, checked = [], [], [], False
+    base: list[float] = []
+    sealed: list[float] = []
+    whole: list[float] = []
     try:
-        for _ in range(rounds):
+        for r in range(rounds):
             t = time.perf_counter()
-            socket.send_fds(ours, [b"base"], [])
-            ours.recv(16)
+            _ask(ours, b"base", [])
             base.append(nbytes / (time.perf_counter() - t) / 1e9)
             made = time.perf_counter()
             fd = new_segment(nbytes, huge)
             try:
                 t = time.perf_counter()
-                socket.send_fds(ours, [b"seg"], [fd])
-                ours.recv(16)
-                if not seal(fd):
+                _ask(ours, b"seg", [fd])
+                if not seal(fd, nbytes):
                     raise RuntimeError("a segment the client had unmapped could not be sealed")
                 done = time.perf_counter()
                 sealed.append(nbytes / (done - t) / 1e9)
                 whole.append(nbytes / (done - made) / 1e9)
-                if not checked:
-                    view = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
-                    got = np.frombuffer(view, np.uint8)
-                    expected = shared_buffer(nbytes)  # the client's rows, made alike
-                    checked = bool(np.array_equal(got, expected))
-                    del got
-                    view.close()
+                if r == 0:
+                    # the client's rows, made alike
+                    if not np.array_equal(read_back(fd, nbytes), shared_buffer(nbytes)):
+                        raise RuntimeError("a sealed segment does not hold the client's rows")
                     if writable_after_seal(fd, nbytes):
                         raise RuntimeError("a sealed segment could still be written")
             finally:
                 os.close(fd)
         refused = _seal_refused_while_mapped(ours, nbytes, huge)
         socket.send_fds(ours, [b"stop"], [])
+        client.wait(REPLY_SECONDS)
     finally:
         ours.close()
-        client.wait(30)
-    memcpy, store = statistics.median(base), statistics.median(sealed)
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+    if client.returncode != 0:
+        raise RuntimeError(f"the client process exited with {client.returncode}")
+    memcpy, store, with_making = (statistics.median(x) for x in (base, sealed, whole))
     return {
         "pages": "2 MiB" if huge else "4 KiB",
         "row_bytes": row,
@@ -173,10 +218,9 @@ def measure(row: int, rows: int, rounds: int, huge: bool) -> dict[str, Any]:
         "sealed_store_gbps": store,
         "memcpy_gbps": memcpy,
         "ratio": store / memcpy,
-        # the agent's allocation (zeroing the pages) included: what a stream of stores pays
-        "with_allocation_gbps": statistics.median(whole),
-        "ratio_with_allocation": statistics.median(whole) / memcpy,
-        "bytes_match": checked,
+        # the agent's making of the segment (its pages zeroed) included
+        "with_allocation_gbps": with_making,
+        "ratio_with_allocation": with_making / memcpy,
         "seal_refused_while_mapped": refused,
     }
 
@@ -185,9 +229,8 @@ def _seal_refused_while_mapped(sock: socket.socket, nbytes: int, huge: bool) -> 
     """A client that keeps its writable mapping: the seal must be refused."""
     fd = new_segment(nbytes, huge)
     try:
-        socket.send_fds(sock, [b"keep"], [fd])
-        sock.recv(16)
-        return not seal(fd)
+        _ask(sock, b"keep", [fd])
+        return not seal(fd, nbytes)
     finally:
         os.close(fd)
 
@@ -197,15 +240,22 @@ def run(quick: bool, rows_of: tuple[int, ...] = (MiB, 32 * MiB)) -> dict[str, An
     of 64 MiB, as the host tier's store cases; rows of 32 MiB: two a batch)."""
     batch, rounds = 64 * MiB, (8 if quick else 30)
     cases = [measure(row, batch // row, rounds, huge=False) for row in rows_of]
-    # rounds of one segment each, plus the one a client keeps mapped
-    wanted = 2 * batch // HUGE_PAGE
+    wanted = batch // HUGE_PAGE  # one segment at a time
     free = huge_pages_free()
-    if free >= wanted:
-        cases += [measure(row, batch // row, rounds, huge=True) for row in rows_of]
+    huge: str | None = None
+    if free < wanted:
+        huge = f"{free} free, {wanted} needed (vm.nr_hugepages)"
+    else:
+        try:
+            cases += [measure(row, batch // row, rounds, huge=True) for row in rows_of]
+        except OSError as exc:  # free on the node, beyond this cgroup's hugetlb limit
+            huge = f"could not allocate them: {exc}"
     return {
         "cases": cases,
         "huge_pages_free": free,
         "huge_pages_needed": wanted,
+        "huge_pages_not_measured": huge,
+        "shmem_enabled": shmem_huge_pages(),
     }
 
 
