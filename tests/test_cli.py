@@ -119,6 +119,18 @@ def test_peer_keys_writes_a_matching_pair_and_never_overwrites_it(tmp_path: Path
     public = (tmp_path / "curve" / "public.key").read_bytes()
     secret = (tmp_path / "curve" / "secret.key").read_bytes()
     assert len(public) == len(secret) == 40 and zmq.curve_public(secret) == public
+    # the secret is its owner's alone whatever the umask (the CLI runs under the default 022)
+    assert (tmp_path / "curve" / "secret.key").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "curve" / "public.key").stat().st_mode & 0o777 == 0o644
     again = run("peer-keys", str(tmp_path / "curve"))
     assert again.returncode == 2 and "not overwriting" in again.stderr
     assert (tmp_path / "curve" / "secret.key").read_bytes() == secret
+    assert (tmp_path / "curve" / "public.key").read_bytes() == public
+
+
+def test_peer_keys_into_a_file_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    for where in (tmp_path / "a-file", tmp_path / "a-file" / "sub"):
+        proc = run("peer-keys", str(where))
+        assert proc.returncode == 2 and "cannot write the keys" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr

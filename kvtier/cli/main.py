@@ -21,10 +21,15 @@ def _agent(args: argparse.Namespace) -> int:
 def _peer_keys(args: argparse.Namespace) -> int:
     from kvtier.agent.tiers.peer.wire import write_keys
 
-    if (args.directory / "secret.key").exists():
-        print(f"{args.directory}/secret.key exists; not overwriting it", file=sys.stderr)
+    secret = args.directory / "secret.key"
+    try:
+        write_keys(args.directory)
+    except OSError as exc:
+        if isinstance(exc, FileExistsError) and exc.filename == str(secret):
+            print(f"{secret} exists; not overwriting it (pick another directory)", file=sys.stderr)
+        else:
+            print(f"cannot write the keys into {args.directory}: {exc.strerror}", file=sys.stderr)
         return 2
-    write_keys(args.directory)
     print(
         f"wrote {args.directory}/public.key and secret.key; store them as the Secret the "
         "tier's peer.curveKeySecret names:\n"

@@ -137,12 +137,24 @@ def load_keys(directory: Path) -> KeyRing:
 
 
 def write_keys(directory: Path) -> bytes:
-    """A new key pair (what the operator's Secret holds); returns the public key."""
+    """A new key pair (what the operator's Secret holds); returns the public key. The secret
+    is created readable by its owner alone (whatever the umask), and never over an existing
+    file: FileExistsError, and neither file is touched."""
     public, secret = zmq.curve_keypair()
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "public.key").write_bytes(public)
-    (directory / "secret.key").write_bytes(secret)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _write_new(directory / "secret.key", secret, 0o600)
+    _write_new(directory / "public.key", public, 0o644, replace=True)
     return public
+
+
+def _write_new(path: Path, data: bytes, mode: int, replace: bool = False) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if replace else os.O_EXCL)
+    fd = os.open(path, flags, mode)
+    try:
+        os.fchmod(fd, mode)  # exactly `mode`, whatever the umask
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def secure_client(sock: zmq.Socket[bytes], keys: KeyRing | None, server_key: bytes) -> None:
