@@ -188,3 +188,50 @@ def test_an_event_topic_naming_another_field_is_refused_with_the_fix() -> None:
     assert EventStreamConfig(topic="kv@{node}@{namespace}").topic
     with pytest.raises(ValueError, match=r"events\.topic .*fix: use only those two"):
         EventStreamConfig(topic="kv@{node}@{model}")
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["reapIntervalSeconds", "leaseTimeoutSeconds", "tierBudgetSeconds"],
+)
+@pytest.mark.parametrize("value", [float("inf"), 1e10, 1e300])
+def test_periods_past_an_hour_are_refused_with_the_fix(
+    scratch: Path, field: str, value: float
+) -> None:
+    """`.inf` and 1e10 used to pass, then crash the agent's loop (zmq's poll timeout) or
+    lease arithmetic at run time."""
+    message = refuse({**config_data(scratch), field: value})
+    assert field in message and "up to 3600" in message, message
+
+
+def test_report_periods_past_an_hour_are_refused(scratch: Path) -> None:
+    """An infinite report period used to kill the report thread (time_t overflow), and with
+    it every peer's view of this agent."""
+    for field in ("intervalSeconds", "minIntervalSeconds"):
+        report = {"target": "file", "directory": str(scratch / "reports"), field: float("inf")}
+        message = refuse({**config_data(scratch), "report": report})
+        assert f"report.{field}" in message and "up to 3600" in message, message
+
+
+def test_a_run_dir_too_long_for_its_socket_is_refused_with_the_fix(scratch: Path) -> None:
+    data = config_data(scratch)
+    message = refuse({**data, "runDir": str(scratch / ("r" * 100))})
+    assert "runDir" in message and "a shorter runDir" in message, message
+    fits = scratch / ("r" * (107 - len(str(scratch)) - len("/agent.sock") - 1))
+    assert parse_config({**data, "runDir": str(fits)}).run_dir == fits
+
+
+def test_an_infinite_reap_interval_never_reaches_a_running_agent(scratch: Path) -> None:
+    """What `--check` accepts, the agent starts with: the refusal is the same in both."""
+    data = {**config_data(scratch), "reapIntervalSeconds": float("inf")}
+    path = scratch / "inf.yaml"
+    path.write_text(yaml.safe_dump(data))
+    for flags in (["--check"], []):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvtier.agent", "--config", str(path), *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2 and "reapIntervalSeconds" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr

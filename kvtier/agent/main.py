@@ -30,11 +30,11 @@ def start(config_path: Path, check: bool) -> int:
         print(exc, file=sys.stderr)
         return 2
     setup_logging(config.log_level)
-    from kvtier.agent.server import run_agent
+    from kvtier.agent.server import AlreadyServed, run_agent
 
     try:
         run_agent(config)
-    except ConfigError as exc:
+    except (ConfigError, AlreadyServed) as exc:
         print(exc, file=sys.stderr)
         return 2
     return 0

@@ -49,6 +49,7 @@ from kvtier.api.stats import AgentStats
 from kvtier.client import protocol as p
 from kvtier.client.liveness import ClientRegistry
 from kvtier.client.protocol import Where
+from kvtier.shm.files import hold_lock, lock_holder
 from kvtier.shm.table import digests
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ Deferred = Callable[[], p.Reply]
 # 70 ns a read (65 µs of a 1k-key lookup), and the wire carries the int either way.
 MISS = int(Where.MISS)
 MAX_SESSIONS = 4096  # connections that said hello, whose clients are not known gone
+PREDECESSOR_WAIT_SECONDS = 10.0
 
 
 def node_name(config: AgentConfig) -> str:
@@ -72,10 +74,26 @@ class NotRegistered(ValueError):
     """A request on a connection that has not said hello to this agent process."""
 
 
+class AlreadyServed(RuntimeError):
+    """Another agent holds this agent's pool: two would both write it and take each other's
+    socket, and clients would lose what they stored."""
+
+
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         check_runtime(config)
         self.config = config
+        # Held for this process's life: one agent per pool. A predecessor still shutting
+        # down (a rolling update that surged) is waited for, a while.
+        lock = config.pool_path.with_name(config.pool_path.name + ".lock")
+        held = hold_lock(lock, PREDECESSOR_WAIT_SECONDS)
+        if held is None:
+            raise AlreadyServed(
+                f"another agent (pid {lock_holder(lock)}) serves {config.pool_path} "
+                f"(host.poolDir, name); waited {PREDECESSOR_WAIT_SECONDS:.0f} s for it. Fix: "
+                "stop it, or give this agent a name or host.poolDir of its own"
+            )
+        self._pool_lock = held
         self.metrics = AgentMetrics()
         self.boot = secrets.randbits(31) + 1  # names this process in lease ids, generations
         self.host = HostTier(
@@ -205,6 +223,7 @@ class Agent:
         if self.tiers is not None:
             self.tiers.close()
         self.host.close()
+        os.close(self._pool_lock)
         log.info("agent stopped")
 
     def _handle(self, frames: list[bytes]) -> None:

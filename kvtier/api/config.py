@@ -36,7 +36,11 @@ _FIXES = {
     "host.chunkBytes": "write the size of one vLLM offload row, such as 2Mi",
     "filesystem.capacity": "write a positive size such as 100Gi",
     "objectStore.capacity": "write a positive size such as 1Ti",
-    "leaseTimeoutSeconds": "use a positive number of seconds, such as 30",
+    "leaseTimeoutSeconds": "use a positive number of seconds up to 3600, such as 30",
+    "reapIntervalSeconds": "use a positive number of seconds up to 3600, such as 1",
+    "tierBudgetSeconds": "use a positive number of seconds up to 3600, such as 2",
+    "report.intervalSeconds": "use a positive number of seconds up to 3600, such as 10",
+    "report.minIntervalSeconds": "use a positive number of seconds up to 3600, such as 2",
     "metrics.port": "use a port from 0 (any free port) to 65535",
 }
 
@@ -88,6 +92,11 @@ class HostTierConfig(_Model):
 
 
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Bounds on periods and timeouts: past them a value is a mistake (`.inf` parses as a float),
+# and the threads that sleep or poll that long would overflow their clocks' integers.
+HOUR_SECONDS = 3600.0
+DAY_SECONDS = 86400.0
+SOCKET_PATH_MAX = 107  # sockaddr_un's sun_path, less its terminating NUL
 
 
 class FilesystemTierConfig(_Model):
@@ -100,10 +109,16 @@ class FilesystemTierConfig(_Model):
     fsync: bool = Field(default=True, description="fsync each file before publishing it.")
     direct_io: bool = Field(default=False, description="Read and write with O_DIRECT.")
     touch_interval_seconds: float = Field(
-        default=60.0, ge=0, description="A read refreshes a file's access time if older than this."
+        default=60.0,
+        ge=0,
+        le=DAY_SECONDS,
+        description="A read refreshes a file's access time if older than this.",
     )
     scan_interval_seconds: float = Field(
-        default=30.0, gt=0, description="Rescan to count other agents' files and evict."
+        default=30.0,
+        gt=0,
+        le=DAY_SECONDS,
+        description="Rescan to count other agents' files and evict.",
     )
 
     @model_validator(mode="after")
@@ -250,9 +265,11 @@ class ReportConfig(_Model):
     tier: str | None = Field(default=None, description="Name of the KVCacheTier.")
     node: str | None = Field(default=None, description="Node name; default $NODE_NAME.")
     directory: Path | None = None
-    interval_seconds: float = Field(default=10.0, gt=0, description="Heartbeat period.")
+    interval_seconds: float = Field(
+        default=10.0, gt=0, le=HOUR_SECONDS, description="Heartbeat period."
+    )
     min_interval_seconds: float = Field(
-        default=2.0, gt=0, description="Changes are published at most this often."
+        default=2.0, gt=0, le=HOUR_SECONDS, description="Changes are published at most this often."
     )
 
     @model_validator(mode="after")
@@ -343,14 +360,15 @@ class AgentConfig(_Model):
     tiers: list[TierConfig] = Field(
         default_factory=list, description="Secondary tiers, asked in this order on a host miss."
     )
-    lease_timeout_seconds: float = Field(default=30.0, gt=0)
+    lease_timeout_seconds: float = Field(default=30.0, gt=0, le=HOUR_SECONDS)
     tier_budget_seconds: float = Field(
         default=2.0,
         gt=0,
+        le=HOUR_SECONDS,
         description="Longest a lookup or load waits on secondary tiers; keep it below the "
         "clients' timeout. What is not answered by then is a miss.",
     )
-    reap_interval_seconds: float = Field(default=1.0, gt=0)
+    reap_interval_seconds: float = Field(default=1.0, gt=0, le=HOUR_SECONDS)
     metrics: MetricsConfig = MetricsConfig()
     report: ReportConfig = ReportConfig()
     access_log: AccessLogConfig = AccessLogConfig()
@@ -376,6 +394,16 @@ class AgentConfig(_Model):
             raise ValueError(
                 f"tiers: name {name!r} is used twice or is reserved; fix: give each tier its "
                 "own name other than host"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _socket_fits(self) -> AgentConfig:
+        length = len(os.fsencode(self.socket_path))
+        if length > SOCKET_PATH_MAX:
+            raise ValueError(
+                f"runDir: its socket path {self.socket_path} is {length} bytes, over the "
+                f"{SOCKET_PATH_MAX} a unix socket's address holds; fix: a shorter runDir"
             )
         return self
 

@@ -10,8 +10,10 @@ mode is set on the open file, so the umask neither widens nor narrows it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
+import time
 from pathlib import Path
 
 
@@ -78,3 +80,35 @@ def close_directory(directory: Path) -> None:
     info = os.stat(directory)
     if info.st_uid == os.geteuid() and info.st_mode & 0o022:
         os.chmod(directory, stat.S_IMODE(info.st_mode) & ~0o022)
+
+
+def hold_lock(path: Path, wait: float) -> int | None:
+    """An exclusive lock on `path` (made the agent's own, 0600, with this process's pid in
+    it), waiting up to `wait` seconds for whoever holds it, or None with the lock still
+    held by another. The kernel drops the lock when its process ends however it ends, so a
+    restart after a kill finds it free; the descriptor is not inherited by children, which
+    would otherwise hold the lock past their parent."""
+    claim(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.1)
+    os.fchmod(fd, 0o600)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, b"%d\n" % os.getpid(), 0)
+    return fd
+
+
+def lock_holder(path: Path) -> str:
+    """The pid written in a lock file, for messages ("?" when unreadable)."""
+    try:
+        return path.read_text().strip() or "?"
+    except OSError:
+        return "?"
