@@ -158,6 +158,69 @@ def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "cannot read 'lots'" in capsys.readouterr().err  # a message, not a traceback
 
 
+GOOD = '{"timestamp": 1, "input_length": 1024, "hash_ids": [1, 2]}\n'
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        ('{"timestamp": 0, "input_length": 100, "hash_ids": [[1], 2]}', "t.jsonl:3: hash_ids"),
+        ('{"timestamp": 0, "input_length": null, "hash_ids": [1]}', "t.jsonl:3: input_length"),
+        ('{"timestamp": 0, "input_length": 1e400, "hash_ids": [1]}', "t.jsonl:3: input_length"),
+        ('{"timestamp": 0, "input_length": "abc", "hash_ids": [1]}', "t.jsonl:3: input_length"),
+        ('{"timestamp": "x", "input_length": 10, "hash_ids": [1]}', "t.jsonl:3: timestamp"),
+        ('{"input_length": 10, "hash_ids": [1], "block_size": 0}', "t.jsonl:3: block_size"),
+        ("{bad json", "t.jsonl:3: not a JSON record"),
+    ],
+)
+def test_a_bad_record_is_named_by_its_line_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, said: str
+) -> None:
+    """Two good records, then the bad one (line 3): the message names the line in the file
+    and the field, for replay and plan alike, and nothing raises past the command."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD + GOOD + line + "\n")
+    assert main(["replay", str(path), "--blocks", "4"]) == 2
+    assert said in _unwrapped(capsys.readouterr().err)
+    assert main(["plan", str(path), "--block-bytes", "64Mi"]) == 2
+    assert said in _unwrapped(capsys.readouterr().err)
+
+
+def _unwrapped(text: str) -> str:
+    """Messages as one line (the console wraps them at its width)."""
+    return " ".join(text.split())
+
+
+def test_a_truncated_gzip_and_a_byte_order_mark(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    whole = gzip.compress((GOOD * 400).encode())
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    assert main(["replay", str(cut), "--blocks", "4"]) == 2
+    err = _unwrapped(capsys.readouterr().err)
+    assert "cut.jsonl.gz: unreadable as a (gzipped) JSONL trace" in err
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + (GOOD * 3).encode())
+    assert main(["replay", str(marked), "--blocks", "4", "--policy", "lru"]) == 0
+    assert "3 requests" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--limit", "--block-size", "--nodes"])
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_counts_below_one_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    """`--limit 0` used to replay one request, `--nodes 0` to raise, `--block-size 0` to
+    fall back to 512 quietly."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD * 3)
+    with pytest.raises(SystemExit) as exited:
+        main(["replay", str(path), "--blocks", "4", flag, value])
+    assert exited.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
 def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     records = [{"input_length": 1024, "hash_ids": [1, r % 3]} for r in range(40)]
     path = write_trace(tmp_path / "t.jsonl", records)

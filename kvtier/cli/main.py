@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,28 @@ def _agent(args: argparse.Namespace) -> int:
     from kvtier.agent.main import start
 
     return start(args.config, args.check)
+
+
+def _positive(text: str) -> int:
+    """An argument that counts something: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A timeout: a number of seconds above 0, an hour at most."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 3600:  # nan compares false
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, 3600]")
+    return value
 
 
 def _peer_keys(args: argparse.Namespace) -> int:
@@ -341,18 +364,18 @@ def _replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         default="lru,arc,prefix,optimal",
-        help="comma-separated: lru, arc, prefix, optimal",
+        help="comma-separated: lru, arc, prefix, adaptive, optimal",
     )
     parser.add_argument(
         "--block-size",
-        type=int,
+        type=_positive,
         default=None,
         help="tokens per hash id for records without block_size (default 512)",
     )
-    parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    parser.add_argument("--limit", type=_positive, default=None, help="replay the first N requests")
     parser.add_argument(
         "--nodes",
-        type=int,
+        type=_positive,
         default=None,
         help="replay over N nodes (pool and storage each), routing requests by --route",
     )
@@ -395,11 +418,11 @@ def _trace_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--block-size",
-        type=int,
+        type=_positive,
         default=16,
         help="tokens per chunk, for input_length (vLLM's offloading block size; default 16)",
     )
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per agent call")
+    parser.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per agent call")
 
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -428,15 +451,15 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the host tier's policy (lru, arc, prefix, adaptive; default: the tier's default)",
     )
-    parser.add_argument("--points", type=int, default=12, help="capacities on the curve")
+    parser.add_argument("--points", type=_positive, default=12, help="capacities on the curve")
     parser.add_argument(
         "--sample-rate",
         type=float,
         default=None,
         help="the trace's sampling of requests (default: the export's, else 1)",
     )
-    parser.add_argument("--block-size", type=int, default=None, help="as for kvtier replay")
-    parser.add_argument("--limit", type=int, default=None, help="the first N requests")
+    parser.add_argument("--block-size", type=_positive, default=None, help="as for kvtier replay")
+    parser.add_argument("--limit", type=_positive, default=None, help="the first N requests")
     parser.add_argument(
         "--plot", type=Path, default=None, metavar="FILE.png", help="draw the curve"
     )

@@ -26,8 +26,10 @@ from __future__ import annotations
 import gzip
 import heapq
 import json
+import math
 import secrets
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,9 +87,10 @@ class Trace:
 def _open(path: Path) -> IO[str]:
     with path.open("rb") as probe:
         gzipped = probe.read(2) == b"\x1f\x8b"
+    # utf-8-sig: a byte order mark some editors write is read past, not refused
     if gzipped:
-        return gzip.open(path, "rt", encoding="utf-8")
-    return path.open(encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return path.open(encoding="utf-8-sig")
 
 
 def _block_tokens(input_length: int, block_size: int, index: int) -> int:
@@ -97,19 +100,55 @@ def _block_tokens(input_length: int, block_size: int, index: int) -> int:
 
 
 def read_records(path: Path, limit: int | None = None) -> Iterator[dict[str, Any]]:
-    with _open(path) as lines:
-        count = 0
-        for line in lines:
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            ids = record.get("hash_ids") if isinstance(record, dict) else None
-            if not isinstance(ids, list) or not ids or int(record.get("input_length", 0)) <= 0:
-                continue
-            yield record
-            count += 1
-            if limit is not None and count >= limit:
-                return
+    """The trace's records with `hash_ids` and a positive `input_length`, in order (others,
+    such as a trace's header lines, are passed over), each field checked: a value of the
+    wrong kind is a TraceError naming the file, the line and the field, not a traceback."""
+    count = 0
+    try:
+        with _open(path) as lines:
+            for number, line in enumerate(lines, start=1):
+                if limit is not None and count >= limit:
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceError(f"{path}:{number}: not a JSON record ({exc.msg})") from None
+                if isinstance(record, dict) and _checked(record, f"{path}:{number}"):
+                    yield record
+                    count += 1
+    except (EOFError, OSError, UnicodeDecodeError, zlib.error) as exc:
+        if isinstance(exc, FileNotFoundError | IsADirectoryError | PermissionError):
+            raise
+        raise TraceError(f"{path}: unreadable as a (gzipped) JSONL trace: {exc}") from None
+
+
+def _checked(record: dict[str, Any], where: str) -> bool:
+    """Whether `record` is a request to replay; its fields made plain numbers in place."""
+    ids = record.get("hash_ids")
+    if ids is None or "input_length" not in record:
+        return False
+    if not isinstance(ids, list) or not all(isinstance(b, int | str) for b in ids):
+        raise TraceError(f"{where}: hash_ids must be a list of block ids (integers or strings)")
+    record["input_length"] = length = _number(record, "input_length", where, whole=True)
+    if "timestamp" in record:
+        record["timestamp"] = _number(record, "timestamp", where, whole=False)
+    if record.get("block_size") is not None:
+        record["block_size"] = _number(record, "block_size", where, whole=True)
+        if record["block_size"] <= 0:
+            raise TraceError(f"{where}: block_size must be a positive number of tokens")
+    return bool(ids) and length > 0
+
+
+def _number(record: dict[str, Any], field: str, where: str, whole: bool) -> Any:
+    value = record[field]
+    kinds = "an integer" if whole else "a number"
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TraceError(f"{where}: {field} must be {kinds} (got {json.dumps(value)})")
+    if whole and value != int(value):
+        raise TraceError(f"{where}: {field} must be {kinds} (got {json.dumps(value)})")
+    return int(value) if whole else float(value)
 
 
 def load_trace(path: Path, block_size: int | None = None, limit: int | None = None) -> Trace:
