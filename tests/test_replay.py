@@ -255,3 +255,29 @@ def test_replay_against_a_live_agent(
     again = json.loads(capsys.readouterr().out)
     assert again["namespace"] != report["namespace"]  # a fresh namespace: no stale hits
     assert again["hit_rate"] == pytest.approx(report["hit_rate"], abs=0.05)
+
+
+@pytest.mark.parametrize("size", ["0", "-64Mi"])
+def test_a_block_size_in_bytes_below_one_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], size: str
+) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD * 3)
+    assert main(["replay", str(path), "--capacity", "8Gi", f"--block-bytes={size}"]) == 2
+    assert "--block-bytes must be a positive size" in capsys.readouterr().err
+    assert main(["plan", str(path), f"--block-bytes={size}"]) == 2
+    assert "--block-bytes must be a positive size" in capsys.readouterr().err
+
+
+def test_a_capacity_past_the_trace_replays_in_the_trace_s_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An exabyte used to allocate per slot (MemoryError); a pool larger than the trace's
+    distinct blocks never fills and gets every hit a pool of all of them gets."""
+    records = [{"input_length": 1024, "hash_ids": [1, r % 5]} for r in range(60)]
+    path = write_trace(tmp_path / "t.jsonl", records)
+    code = main(["replay", str(path), "--blocks", "6,5000000000", "--policy", "lru", "--json"])
+    assert code == 0
+    small, huge = json.loads(capsys.readouterr().out)["budgets"]
+    assert huge["blocks"] == 5_000_000_000 and huge["underfilled"] and huge["lru"] is None
+    assert huge["prefill_tokens_saved"] == small["prefill_tokens_saved"]

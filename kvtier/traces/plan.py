@@ -42,7 +42,15 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.api.units import format_bytes, parse_bytes
-from kvtier.traces.replay import Trace, TraceError, load_trace, progress_bar, replay_direct, show
+from kvtier.traces.replay import (
+    Trace,
+    TraceError,
+    load_trace,
+    positive_bytes,
+    progress_bar,
+    replay_direct,
+    show,
+)
 
 SECONDARY_POLICY = "lru"  # how the filesystem and object tiers evict
 REACHABLE_SHARE = 0.95
@@ -397,10 +405,12 @@ def main(args: Any) -> int:
     try:
         trace = load_trace(args.trace, args.block_size, args.limit)
         fields = _trace_fields(args.trace)
-        if args.block_bytes:
-            block_bytes = parse_bytes(args.block_bytes)
-        elif args.bytes_per_token:
-            block_bytes = parse_bytes(args.bytes_per_token) * trace.block_size
+        given = positive_bytes("--block-bytes", args.block_bytes)
+        per_token = positive_bytes("--bytes-per-token", args.bytes_per_token)
+        if given is not None:
+            block_bytes = given
+        elif per_token is not None:
+            block_bytes = per_token * trace.block_size
         elif "chunk_bytes" in fields:
             block_bytes = int(fields["chunk_bytes"])
         else:

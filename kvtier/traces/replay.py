@@ -292,6 +292,13 @@ class Result:
         return self.hit_blocks / self.looked_up_blocks
 
 
+def _slots(trace: Trace, blocks: int) -> int:
+    """The slots a replay of `blocks` needs: no more than the trace's distinct blocks, which
+    is all it can ever hold (a pool larger than that never evicts, never fills, and gets
+    the same hits), so a capacity of an exabyte replays in the memory of the trace."""
+    return max(1, min(blocks, trace.unique_blocks))
+
+
 def _request_done(
     r: int,
     warmup: int,
@@ -326,8 +333,9 @@ def replay(
     progress: Callable[[int], None] | None = None,
 ) -> Result:
     """Replay every request of `trace` through a `HostIndex` of `blocks` slots."""
-    chooser = _make(policy, blocks)
-    index = HostIndex(blocks, chooser)
+    slots = _slots(trace, blocks)
+    chooser = _make(policy, slots)
+    index = HostIndex(slots, chooser)
     upcoming = chooser.upcoming if isinstance(chooser, BeladyPolicy) else None
     result = Result(policy, blocks)
     warmup = int(trace.requests * warmup_fraction)
@@ -362,7 +370,7 @@ def replay(
                 index.commit(store, CLIENT)
         if load:
             index.end_load(load, CLIENT)
-        _request_done(r, warmup, result, not index.free_slots, progress)
+        _request_done(r, warmup, result, slots == blocks and not index.free_slots, progress)
     _trace_done(trace, progress, upcoming)
     result.evictions = index.counters.evictions
     result.rejected = index.counters.full
@@ -384,7 +392,8 @@ def replay_direct(
     `replay`. `observe(r, nodes, slots)`, where given, sees each request's nodes and their
     slots at lookup (-1: not held), before the request changes anything (`kvtier plan`
     runs a secondary tier behind the host tier on it)."""
-    chooser = _make(policy, blocks) if isinstance(policy, str) else policy
+    slots = _slots(trace, blocks) if isinstance(policy, str) else blocks
+    chooser = _make(policy, slots) if isinstance(policy, str) else policy
     by_slot, links = chooser.by_slot, chooser.links_slots
     upcoming = chooser.upcoming if isinstance(chooser, BeladyPolicy) else None
     result = Result(chooser.name, blocks)
@@ -397,9 +406,9 @@ def replay_direct(
         trace.starts,
     )
     slot_of = [-1] * len(trace.parent)  # per node: its slot while resident
-    node_in = [0] * blocks  # per slot: its node
-    pins = [0] * blocks
-    free = list(range(blocks - 1, -1, -1))
+    node_in = [0] * slots  # per slot: its node
+    pins = [0] * slots
+    free = list(range(slots - 1, -1, -1))
     evictions = full = 0
 
     def evictable(chunk: ChunkId) -> bool:
@@ -465,7 +474,7 @@ def replay_direct(
                 chooser.on_inserts(given if by_slot else granted)
         for s in loaded:
             pins[s] -= 1
-        _request_done(r, warmup, result, not free, progress)
+        _request_done(r, warmup, result, slots == blocks and not free, progress)
     _trace_done(trace, progress, upcoming)
     result.evictions, result.rejected = evictions, full
     return result
@@ -484,6 +493,17 @@ def capacity_label(capacity: str) -> str:
     if given.rstrip("B").endswith("i"):
         return given
     return f"{given} = {format_bytes(parse_bytes(given))}"
+
+
+def positive_bytes(flag: str, text: str | None) -> int | None:
+    """A size argument (a Kubernetes quantity), None where not given; 0 or less is refused
+    by name, not read as "not given" or as a capacity that holds no block."""
+    if text is None:
+        return None
+    value = parse_bytes(text)
+    if value <= 0:
+        raise ValueError(f"{flag} must be a positive size such as 64Mi (got {text})")
+    return value
 
 
 def budgets(
@@ -766,10 +786,11 @@ def main(args: Any) -> int:
     if args.agent:
         return _main_agent(args, err)
     try:
-        block_bytes = parse_bytes(args.block_bytes) if args.block_bytes else None
+        block_bytes = positive_bytes("--block-bytes", args.block_bytes)
         trace = load_trace(args.trace, args.block_size, args.limit)
         if block_bytes is None and args.bytes_per_token:
-            block_bytes = parse_bytes(args.bytes_per_token) * trace.block_size
+            per_token = positive_bytes("--bytes-per-token", args.bytes_per_token)
+            block_bytes = (per_token or 0) * trace.block_size
         capacities = [c.strip() for c in (args.capacity or "").split(",") if c.strip()]
         blocks = [int(b) for b in (args.blocks or "").split(",") if b.strip()]
         sizes = budgets(capacities, block_bytes, blocks)
