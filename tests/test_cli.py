@@ -134,3 +134,12 @@ def test_peer_keys_into_a_file_is_a_clear_error(tmp_path: Path) -> None:
         proc = run("peer-keys", str(where))
         assert proc.returncode == 2 and "cannot write the keys" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_trace_with_a_bad_endpoint_or_timeout_is_a_message() -> None:
+    proc = run("trace", "--agent", "garbage")
+    assert proc.returncode == 2 and "must be ipc://PATH" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    for timeout in ("nan", "inf", "0", "-1"):
+        proc = run("trace", "--agent", "ipc:///nonexistent/agent.sock", "--timeout", timeout)
+        assert proc.returncode == 2 and "argument --timeout" in proc.stderr, proc.stderr

@@ -235,3 +235,28 @@ def test_an_infinite_reap_interval_never_reaches_a_running_agent(scratch: Path) 
         )
         assert proc.returncode == 2 and "reapIntervalSeconds" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_a_metrics_port_already_taken_stops_the_agent_with_the_field(scratch: Path) -> None:
+    """It used to end in an OSError traceback; now the field and the fix, and exit code 2,
+    before any other thread of the agent starts (so nothing keeps the process alive)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        data = {
+            **config_data(scratch),
+            "metrics": {"host": "127.0.0.1", "port": taken.getsockname()[1]},
+        }
+        path = scratch / "port.yaml"
+        path.write_text(yaml.safe_dump(data))
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvtier.agent", "--config", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 2, proc.stderr
+    assert "metrics.port: cannot listen on 127.0.0.1" in proc.stderr
+    assert "Traceback" not in proc.stderr

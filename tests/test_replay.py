@@ -281,3 +281,22 @@ def test_a_capacity_past_the_trace_replays_in_the_trace_s_memory(
     small, huge = json.loads(capsys.readouterr().out)["budgets"]
     assert huge["blocks"] == 5_000_000_000 and huge["underfilled"] and huge["lru"] is None
     assert huge["prefill_tokens_saved"] == small["prefill_tokens_saved"]
+
+
+def test_a_picture_that_cannot_be_written_and_no_policy_are_refused_before_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD * 3)
+    missing = tmp_path / "nowhere" / "x.png"
+    for command in (
+        ["replay", str(path), "--blocks", "4"],
+        ["plan", str(path), "--block-bytes", "1Mi"],
+    ):
+        assert main([*command, "--plot", str(missing)]) == 2
+        assert "does not exist" in _unwrapped(capsys.readouterr().err)
+        assert main([*command, "--plot", str(tmp_path / "x.txt")]) == 2
+        assert "name a file of one of" in _unwrapped(capsys.readouterr().err)
+    for nothing in ("", ","):
+        assert main(["replay", str(path), "--blocks", "4", "--policy", nothing]) == 2
+        assert "unknown policy ''" in capsys.readouterr().err

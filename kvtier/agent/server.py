@@ -44,7 +44,7 @@ from kvtier.agent.report.registry import make_registry
 from kvtier.agent.runtime_checks import check_runtime
 from kvtier.agent.tiers.chain import SecondaryTiers
 from kvtier.agent.tiers.factory import TierContext
-from kvtier.api.config import AgentConfig
+from kvtier.api.config import AgentConfig, ConfigError
 from kvtier.api.stats import AgentStats
 from kvtier.client import protocol as p
 from kvtier.client.liveness import ClientRegistry
@@ -167,12 +167,20 @@ class Agent:
 
     def serve(self) -> None:
         cfg = self.config
+        if cfg.metrics.enabled:  # first: a port taken stops the agent before anything runs
+            try:
+                self.metrics_port = self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
+            except OSError as exc:
+                raise ConfigError(
+                    [
+                        f"metrics.port: cannot listen on {cfg.metrics.host}:{cfg.metrics.port} "
+                        f"({exc.strerror}); fix: a port nothing else holds, or 0 for any"
+                    ]
+                ) from None
         if self.event_stream is not None:
             self.event_stream.start()
         if self.reporter is not None:
             self.reporter.start()
-        if cfg.metrics.enabled:
-            self.metrics_port = self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
         log.info(
             "agent ready",
             extra={

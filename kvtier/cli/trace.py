@@ -102,7 +102,7 @@ def main(args: Any) -> int:
         )
         print(f"kvtier trace: {exc}{hint}", file=sys.stderr)
         return 2
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: an endpoint that is not ipc://
         print(f"kvtier trace: {exc}", file=sys.stderr)
         return 2
     lost = f", {done.dropped:,} older requests no longer held" if done.dropped else ""

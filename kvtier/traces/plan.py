@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.api.units import format_bytes, parse_bytes
+from kvtier.traces.plot import check_target
 from kvtier.traces.replay import (
     Trace,
     TraceError,
@@ -403,6 +404,8 @@ def main(args: Any) -> int:
         err.print(f"unknown policy {policy}; use {', '.join(POLICIES)}")
         return 2
     try:
+        if args.plot is not None:
+            check_target(args.plot)
         trace = load_trace(args.trace, args.block_size, args.limit)
         fields = _trace_fields(args.trace)
         given = positive_bytes("--block-bytes", args.block_bytes)

@@ -7,6 +7,18 @@ from pathlib import Path
 from typing import Any
 
 
+def check_target(path: Path) -> None:
+    """Refuse, before a long replay, a picture that could not be written: its directory
+    missing, or a format matplotlib does not write."""
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    if path.suffix.lower().lstrip(".") not in formats:
+        raise ValueError(f"--plot {path}: name a file of one of {', '.join(sorted(formats))}")
+    if not path.parent.is_dir():
+        raise ValueError(f"--plot {path}: directory {path.parent} does not exist")
+
+
 def plot_demo(timeline: list[dict[str, float]], path: Path) -> None:
     import matplotlib
 

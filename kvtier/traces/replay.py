@@ -38,6 +38,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 from kvtier.agent.host.index import HostIndex
 from kvtier.agent.host.policy import POLICIES, ChunkId, EvictionPolicy, make_policy
 from kvtier.api.units import format_bytes, parse_bytes
+from kvtier.traces.plot import check_target
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -779,7 +780,7 @@ def main(args: Any) -> int:
 
     err = Console(stderr=True)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    unknown = sorted(set(policies) - set(REPLAY_POLICIES))
+    unknown = sorted(set(policies) - set(REPLAY_POLICIES)) or ([] if policies else [repr("")])
     if unknown:
         err.print(f"unknown policy {', '.join(unknown)}; use {', '.join(REPLAY_POLICIES)}")
         return 2
@@ -787,6 +788,8 @@ def main(args: Any) -> int:
         return _main_agent(args, err)
     try:
         block_bytes = positive_bytes("--block-bytes", args.block_bytes)
+        if args.plot is not None:
+            check_target(args.plot)
         trace = load_trace(args.trace, args.block_size, args.limit)
         if block_bytes is None and args.bytes_per_token:
             per_token = positive_bytes("--bytes-per-token", args.bytes_per_token)
