@@ -260,3 +260,10 @@ def test_a_metrics_port_already_taken_stops_the_agent_with_the_field(scratch: Pa
     assert proc.returncode == 2, proc.stderr
     assert "metrics.port: cannot listen on 127.0.0.1" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_messages_say_what_they_got_once_and_a_bad_name_has_its_fix(scratch: Path) -> None:
+    message = refuse(config_data(scratch, capacity=1.5))
+    assert message.count("1.5") == 1, message
+    message = refuse({**config_data(scratch), "name": "Bad_Name"})
+    assert "name:" in message and "fix: use the KVCacheTier's name" in message, message

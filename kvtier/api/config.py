@@ -42,6 +42,7 @@ _FIXES = {
     "report.intervalSeconds": "use a positive number of seconds up to 3600, such as 10",
     "report.minIntervalSeconds": "use a positive number of seconds up to 3600, such as 2",
     "metrics.port": "use a port from 0 (any free port) to 65535",
+    "name": "use the KVCacheTier's name: lowercase letters, digits and '-', at most 63",
 }
 
 
@@ -439,7 +440,8 @@ def _describe(error: Any) -> str:
     if error["type"] == "missing":
         return f"{path}: required field is missing; fix: add it"
     fix = _FIXES.get(path) or _FIXES.get(re.sub(r"^tiers\.\d+\.", "", path))
-    got = f" (got {error['input']!r})" if "input" in error else ""
+    # our own parsers' messages say what they got already
+    got = f" (got {error['input']!r})" if "input" in error and " got " not in message else ""
     if error["type"] == "greater_than" and error.get("ctx", {}).get("gt") == 0:
         return f"{path} must be positive{got}" + (f"; fix: {fix}" if fix else "")
     return f"{path}: {message}{got}" + (f"; fix: {fix}" if fix else "")
