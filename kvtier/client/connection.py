@@ -166,6 +166,15 @@ def _agents_own(mapped: PoolMap, group_writes: bool) -> PoolMap:
     return mapped
 
 
+def _void(lease: int) -> LeaseLost:
+    """A commit on a connection the agent no longer knows: it restarted, or dropped this
+    session (another connection said hello as this client, or past its cap of sessions)."""
+    return LeaseLost(
+        f"lease {lease} is void: the agent no longer knows this connection (it restarted, or "
+        "another connection said hello as this client)"
+    )
+
+
 class AgentClient:
     def __init__(self, endpoint: str, timeout: float = 5.0, client_id: str | None = None) -> None:
         if not endpoint.startswith("ipc://"):
@@ -453,9 +462,7 @@ class AgentClient:
                 self._transport.await_reply(rid, "Commit", p.Ack, time.monotonic() + self.timeout)
             except NotRegistered:
                 self.hello = None
-                raise LeaseLost(
-                    f"lease {lease} is void: the agent restarted since it was granted"
-                ) from None
+                raise _void(lease) from None
 
     def abort(self, lease: int) -> None:
         self._transport.send(p.Abort(lease))
@@ -689,9 +696,7 @@ class AgentClient:
             except NotRegistered:
                 self.hello = None
                 if isinstance(request, p.Commit):
-                    raise LeaseLost(
-                        f"lease {request.lease} is void: the agent restarted since it was granted"
-                    ) from None
+                    raise _void(request.lease) from None
             try:
                 self._connect_locked(deadline)
                 return self._transport.exchange(request, expect, deadline)
