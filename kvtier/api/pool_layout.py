@@ -108,7 +108,9 @@ def tier_files_bytes(geometry: PoolGeometry) -> int:
     return geometry.file_bytes + staging_geometry(geometry).file_bytes + index
 
 
-RUN_DIR_BYTES = 1 << 20  # the agent's socket and the clients' lock files: a margin, no data
+# The agent's socket, its pool's lock and the clients' lock files (a page each at most): a
+# margin, no data.
+RUN_DIR_BYTES = 1 << 20
 
 
 def tier_volume_bytes(geometry: PoolGeometry) -> int:

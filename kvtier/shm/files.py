@@ -10,6 +10,7 @@ mode is set on the open file, so the umask neither widens nor narrows it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import stat
@@ -102,7 +103,8 @@ def hold_lock(path: Path, wait: float) -> int | None:
             time.sleep(0.1)
     os.fchmod(fd, 0o600)
     os.ftruncate(fd, 0)
-    os.pwrite(fd, b"%d\n" % os.getpid(), 0)
+    with contextlib.suppress(OSError):  # the pid is for messages; a full volume keeps none
+        os.pwrite(fd, b"%d\n" % os.getpid(), 0)
     return fd
 
 
