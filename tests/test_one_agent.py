@@ -115,9 +115,20 @@ def test_an_agent_killed_with_sigkill_is_replaced_at_once_and_warm(scratch: Path
         agent.proc.wait(10)
     finally:
         agent.stop()
-    started = time.monotonic()
+    # were the lock to outlive its holder, this start would end in the refusal, exit 2
     with AgentProcess(config), AgentClient(config.endpoint) as client:
-        assert time.monotonic() - started < 9  # not the wait for a living predecessor
         outs = [np.zeros(ROW, np.uint8) for _ in keys]
         assert client.load_into(NS, keys, outs) == [True] * 4
         assert all(np.array_equal(o, r) for o, r in zip(outs, rows, strict=True))
+
+
+def test_an_agent_of_another_pool_on_a_live_agent_s_run_dir_refuses(scratch: Path) -> None:
+    """Two names, one runDir: the second would take the first's socket and its clients."""
+    first = scratch_config(scratch, "one", 32 * (ROW + 4096) + 4096, ROW)
+    other = scratch_config(scratch, "two", 32 * (ROW + 4096) + 4096, ROW)
+    assert first.run_dir == other.run_dir and first.pool_path != other.pool_path
+    with AgentProcess(first), AgentClient(first.endpoint) as client:
+        second = _second_agent(other)
+        assert second.returncode == 2, second.stderr
+        assert f"another agent listens on {first.socket_path}" in second.stderr
+        assert client.lookup(NS, [b"x"]).hits == [False]  # the first still answers

@@ -300,3 +300,22 @@ def test_a_picture_that_cannot_be_written_and_no_policy_are_refused_before_the_r
     for nothing in ("", ","):
         assert main(["replay", str(path), "--blocks", "4", "--policy", nothing]) == 2
         assert "unknown policy ''" in capsys.readouterr().err
+
+
+def test_numbers_as_strings_read_and_huge_or_routed_records_are_messages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": "5", "input_length": "1024", "hash_ids": [1, 2]}\n' * 3)
+    assert main(["replay", str(path), "--blocks", "4", "--policy", "lru"]) == 0
+    assert "3 requests" in capsys.readouterr().out
+    # an unreplayable record (no ids) is passed over whatever else it holds
+    skipped = tmp_path / "s.jsonl"
+    skipped.write_text(GOOD + '{"timestamp": "x", "input_length": 10, "hash_ids": []}\n')
+    assert main(["replay", str(skipped), "--blocks", "4", "--policy", "lru"]) == 0
+    capsys.readouterr()
+    huge = tmp_path / "h.jsonl"
+    huge.write_text(GOOD + '{"input_length": 1' + "0" * 400 + ', "hash_ids": [1]}\n')
+    for command in (["--blocks", "4"], ["--blocks", "4", "--nodes", "2"]):
+        assert main(["replay", str(huge), *command]) == 2
+        assert "h.jsonl:2: input_length" in _unwrapped(capsys.readouterr().err)

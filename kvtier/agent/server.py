@@ -15,6 +15,7 @@ connection's client, never a field of the request, holds the leases it is grante
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from itertools import compress
 from operator import not_
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -74,6 +76,18 @@ class NotRegistered(ValueError):
     """A request on a connection that has not said hello to this agent process."""
 
 
+def _listening(path: Path) -> bool:
+    """Whether a live process accepts connections on the unix socket at `path` (a socket a
+    killed agent left behind refuses them, and is replaced)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 class AlreadyServed(RuntimeError):
     """Another agent holds this agent's pool: two would both write it and take each other's
     socket, and clients would lose what they stored."""
@@ -91,9 +105,14 @@ class Agent:
             raise AlreadyServed(
                 f"another agent (pid {lock_holder(lock)}) serves {config.pool_path} "
                 f"(host.poolDir, name); waited {PREDECESSOR_WAIT_SECONDS:.0f} s for it. Fix: "
-                "stop it, or give this agent a name or host.poolDir of its own"
+                "stop it, or give this agent a name, host.poolDir and runDir of its own"
             )
         self._pool_lock = held
+        if _listening(config.socket_path):  # another agent's, of another pool
+            raise AlreadyServed(
+                f"another agent listens on {config.socket_path} (runDir); fix: give each agent "
+                "a runDir of its own"
+            )
         self.metrics = AgentMetrics()
         self.boot = secrets.randbits(31) + 1  # names this process in lease ids, generations
         self.host = HostTier(
@@ -171,10 +190,15 @@ class Agent:
             try:
                 self.metrics_port = self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
             except OSError as exc:
+                where = f"{cfg.metrics.host}:{cfg.metrics.port}"
+                taken = exc.errno == errno.EADDRINUSE
                 raise ConfigError(
                     [
-                        f"metrics.port: cannot listen on {cfg.metrics.host}:{cfg.metrics.port} "
-                        f"({exc.strerror}); fix: a port nothing else holds, or 0 for any"
+                        f"metrics.port: cannot listen on {where} (in use); fix: a port nothing "
+                        "else holds, or 0 for any"
+                        if taken
+                        else f"metrics.host: cannot listen on {where} ({exc.strerror or exc}); "
+                        "fix: an address of this host, such as 0.0.0.0"
                     ]
                 ) from None
         if self.event_stream is not None:

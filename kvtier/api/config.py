@@ -440,8 +440,10 @@ def _describe(error: Any) -> str:
     if error["type"] == "missing":
         return f"{path}: required field is missing; fix: add it"
     fix = _FIXES.get(path) or _FIXES.get(re.sub(r"^tiers\.\d+\.", "", path))
-    # our own parsers' messages say what they got already
-    got = f" (got {error['input']!r})" if "input" in error and " got " not in message else ""
+    # our own validators' messages (value errors) say what they got already
+    got = (
+        f" (got {error['input']!r})" if "input" in error and error["type"] != "value_error" else ""
+    )
     if error["type"] == "greater_than" and error.get("ctx", {}).get("gt") == 0:
         return f"{path} must be positive{got}" + (f"; fix: {fix}" if fix else "")
     return f"{path}: {message}{got}" + (f"; fix: {fix}" if fix else "")

@@ -89,6 +89,7 @@ def hold_lock(path: Path, wait: float) -> int | None:
     held by another. The kernel drops the lock when its process ends however it ends, so a
     restart after a kill finds it free; the descriptor is not inherited by children, which
     would otherwise hold the lock past their parent."""
+    close_directory(path.parent)  # so nobody else can put a file of theirs there
     claim(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     deadline = time.monotonic() + wait

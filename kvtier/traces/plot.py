@@ -10,10 +10,12 @@ from typing import Any
 def check_target(path: Path) -> None:
     """Refuse, before a long replay, a picture that could not be written: its directory
     missing, or a format matplotlib does not write."""
-    from matplotlib.figure import Figure
-
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'kvtier[plot]'") from None
     formats = Figure().canvas.get_supported_filetypes()
-    if path.suffix.lower().lstrip(".") not in formats:
+    if path.suffix and path.suffix.lower().lstrip(".") not in formats:  # none: a .png
         raise ValueError(f"--plot {path}: name a file of one of {', '.join(sorted(formats))}")
     if not path.parent.is_dir():
         raise ValueError(f"--plot {path}: directory {path.parent} does not exist")

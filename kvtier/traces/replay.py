@@ -23,10 +23,10 @@ rate beside it counts every resident block of a request, wherever the prefix bro
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import heapq
 import json
-import math
 import secrets
 import time
 import zlib
@@ -108,8 +108,6 @@ def read_records(path: Path, limit: int | None = None) -> Iterator[dict[str, Any
     try:
         with _open(path) as lines:
             for number, line in enumerate(lines, start=1):
-                if limit is not None and count >= limit:
-                    return
                 if not line.strip():
                     continue
                 try:
@@ -119,6 +117,8 @@ def read_records(path: Path, limit: int | None = None) -> Iterator[dict[str, Any
                 if isinstance(record, dict) and _checked(record, f"{path}:{number}"):
                     yield record
                     count += 1
+                    if limit is not None and count >= limit:
+                        return
     except (EOFError, OSError, UnicodeDecodeError, zlib.error) as exc:
         if isinstance(exc, FileNotFoundError | IsADirectoryError | PermissionError):
             raise
@@ -133,22 +133,30 @@ def _checked(record: dict[str, Any], where: str) -> bool:
     if not isinstance(ids, list) or not all(isinstance(b, int | str) for b in ids):
         raise TraceError(f"{where}: hash_ids must be a list of block ids (integers or strings)")
     record["input_length"] = length = _number(record, "input_length", where, whole=True)
+    if not ids or length <= 0:
+        return False
     if "timestamp" in record:
         record["timestamp"] = _number(record, "timestamp", where, whole=False)
     if record.get("block_size") is not None:
         record["block_size"] = _number(record, "block_size", where, whole=True)
         if record["block_size"] <= 0:
             raise TraceError(f"{where}: block_size must be a positive number of tokens")
-    return bool(ids) and length > 0
+    return True
 
 
 def _number(record: dict[str, Any], field: str, where: str, whole: bool) -> Any:
-    value = record[field]
+    value = got = record[field]
     kinds = "an integer" if whole else "a number"
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise TraceError(f"{where}: {field} must be {kinds} (got {json.dumps(value)})")
-    if whole and value != int(value):
-        raise TraceError(f"{where}: {field} must be {kinds} (got {json.dumps(value)})")
+    if isinstance(value, str):  # a number written as a string, as some exports do
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not -(2**63) < value < 2**63  # also false for nan and infinities
+        or (whole and value != int(value))
+    ):
+        raise TraceError(f"{where}: {field} must be {kinds} (got {json.dumps(got)})")
     return int(value) if whole else float(value)
 
 

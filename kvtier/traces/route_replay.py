@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,7 +152,11 @@ def compare(trace: Trace, nodes: int, routes: list[str], **kw: Any) -> dict[str,
 
 
 def main(args: Any) -> int:
-    trace = load_trace(args.trace, args.block_size, args.limit)
+    try:
+        trace = load_trace(args.trace, args.block_size, args.limit)
+    except (OSError, ValueError) as exc:  # TraceError included: file, line and field named
+        print(exc, file=sys.stderr)
+        return 2
     routes = ["prefix", "random"] if args.route == "both" else [args.route]
     if args.route == "prefix":
         routes.append("random")  # the baseline the gain is measured against

@@ -138,12 +138,17 @@ def load_keys(directory: Path) -> KeyRing:
 
 def write_keys(directory: Path) -> bytes:
     """A new key pair (what the operator's Secret holds); returns the public key. The secret
-    is created readable by its owner alone (whatever the umask), and never over an existing
-    file: FileExistsError, and neither file is touched."""
+    is created readable by its owner alone (whatever the umask) and never over an existing
+    one (FileExistsError, nothing written); the public key beside it replaces any there.
+    Should the public key not be written, the new secret goes too: no half pair is left."""
     public, secret = zmq.curve_keypair()
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     _write_new(directory / "secret.key", secret, 0o600)
-    _write_new(directory / "public.key", public, 0o644, replace=True)
+    try:
+        _write_new(directory / "public.key", public, 0o644, replace=True)
+    except BaseException:
+        (directory / "secret.key").unlink(missing_ok=True)
+        raise
     return public
 
 
