@@ -17,6 +17,20 @@ from kvtier.api.units import parse_bytes
 from tests.conftest import config_data
 
 
+def start_agent(
+    scratch: Path, name: str, data: dict[str, Any], *flags: str
+) -> subprocess.CompletedProcess[str]:
+    """The agent process itself, on `data` written as `name`: what a user runs."""
+    path = scratch / name
+    path.write_text(yaml.safe_dump(data))
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.agent", "--config", str(path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def refuse(data: dict[str, Any]) -> str:
     with pytest.raises(ConfigError) as info:
         parse_config(data)
@@ -158,15 +172,7 @@ def test_not_yaml_mapping(tmp_path: Path) -> None:
 
 def test_agent_refuses_bad_config_at_start(scratch: Path) -> None:
     """The agent process itself exits non-zero with the field named, and creates nothing."""
-    data = config_data(scratch, capacity=0)
-    path = scratch / "bad.yaml"
-    path.write_text(yaml.safe_dump(data))
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.agent", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = start_agent(scratch, "bad.yaml", config_data(scratch, capacity=0))
     assert proc.returncode == 2
     assert "host.capacity must be positive" in proc.stderr
     assert not (scratch / "pool").exists()
@@ -224,15 +230,8 @@ def test_a_run_dir_too_long_for_its_socket_is_refused_with_the_fix(scratch: Path
 def test_an_infinite_reap_interval_never_reaches_a_running_agent(scratch: Path) -> None:
     """What `--check` accepts, the agent starts with: the refusal is the same in both."""
     data = {**config_data(scratch), "reapIntervalSeconds": float("inf")}
-    path = scratch / "inf.yaml"
-    path.write_text(yaml.safe_dump(data))
     for flags in (["--check"], []):
-        proc = subprocess.run(
-            [sys.executable, "-m", "kvtier.agent", "--config", str(path), *flags],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        proc = start_agent(scratch, "inf.yaml", data, *flags)
         assert proc.returncode == 2 and "reapIntervalSeconds" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
 
@@ -249,14 +248,7 @@ def test_a_metrics_port_already_taken_stops_the_agent_with_the_field(scratch: Pa
             **config_data(scratch),
             "metrics": {"host": "127.0.0.1", "port": taken.getsockname()[1]},
         }
-        path = scratch / "port.yaml"
-        path.write_text(yaml.safe_dump(data))
-        proc = subprocess.run(
-            [sys.executable, "-m", "kvtier.agent", "--config", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        proc = start_agent(scratch, "port.yaml", data)
     assert proc.returncode == 2, proc.stderr
     assert "metrics.port: cannot listen on 127.0.0.1" in proc.stderr
     assert "Traceback" not in proc.stderr
