@@ -53,6 +53,24 @@ def tier_stats(client: AgentClient, name: str) -> TierStats:
     return client.stats().tier(name)
 
 
+def write_backs_done(client: AgentClient, name: str) -> int:
+    """Write-backs to tier `name` written, failed or dropped: those no longer pending."""
+    counts = tier_stats(client, name).counts
+    return counts.writebacks + counts.write_errors + counts.dropped
+
+
+def store_written(client: AgentClient, ids: range, name: str) -> None:
+    """Store `ids` four at a time, each four once the last are written to tier `name`:
+    a write-back that would pin more than half the pool is dropped, and a busy machine's
+    writer can fall that far behind one store of many chunks."""
+    done = write_backs_done(client, name)
+    for start in range(ids.start, ids.stop, 4):
+        batch = range(start, min(start + 4, ids.stop))
+        store(client, batch)
+        done += len(batch)
+        wait_for(lambda n=done: write_backs_done(client, name) == n)
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float = 20.0) -> Any:
     return polling.wait_for(predicate, timeout)
 

@@ -27,7 +27,14 @@ from kvtier.api.config import AgentConfig, FilesystemTierConfig, ObjectStoreTier
 from kvtier.client import protocol as p
 from kvtier.client.connection import AgentClient
 from kvtier.local.agent import AgentProcess
-from tests.agent_helpers import load_exact, store, wait_for
+from tests.agent_helpers import (
+    load_exact,
+    store,
+    store_written,
+    tier_stats,
+    wait_for,
+    write_backs_done,
+)
 from tests.conftest import ROW
 from tests.helpers import NS, key, row
 
@@ -221,16 +228,19 @@ def test_engines_read_every_tiers_events_through_the_agent(
                 and held.get(("STORAGE", "LOCAL"), set()) == disk
             )
 
-        store(client, range(10))
+        store_written(client, range(10), "fs")
         wait_for(caught_up)
-        assert len(held[("STORAGE", "LOCAL")]) == 10
+        written = tier_stats(client, "fs").counts.writebacks
+        assert len(held[("STORAGE", "LOCAL")]) == written > 0
         store(client, range(10, 60))  # the pool evicts; the filesystem passes its watermark
+        wait_for(lambda: write_backs_done(client, "fs") == 60)
         wait_for(lambda: caught_up() and len(held[("STORAGE", "LOCAL")]) < 24)
         assert 0 < len(held[("STORAGE", "LOCAL")]) < 24 and len(held[("CPU", "LOCAL")]) <= 16
         assert load_exact(client, [59]) == [True]
-        os.unlink(next(p for p in fs_root.rglob("*") if p.name == key(59).hex()))
+        gone = min(held[("STORAGE", "LOCAL")])  # one written (others may have been dropped)
+        os.unlink(next(p for p in fs_root.rglob("*") if p.name == gone.hex()))
         wait_for(caught_up)  # the next scan finds it gone
-        assert key(59) not in held[("STORAGE", "LOCAL")]
+        assert gone not in held[("STORAGE", "LOCAL")]
 
 
 def test_a_peer_tier_reports_nothing_its_holders_report_their_pools(
