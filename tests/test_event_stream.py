@@ -259,8 +259,8 @@ def test_the_stream_admits_only_subscribers_with_the_tiers_key_pair(
 
             def heard() -> bool:
                 trusted.read()
-                if not trusted.heard:
-                    store(client, [next(more)])
+                if not trusted.heard and (one := next(more, None)) is not None:
+                    store(client, [one])  # thirteen at most, then the wait times out
                 return trusted.heard > 0 and len(trusted.held.get(STORAGE, ())) >= 3
 
             wait_for(heard)
