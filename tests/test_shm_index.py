@@ -25,6 +25,39 @@ def test_vectorised_digests_equal_per_key_digests(keys: list[bytes], namespace: 
     assert all(int(d) != 0 for d in batch)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    st.sampled_from([1, 7, 8, 9, 32, 40, 255, 256, 1022]),
+    st.sampled_from([1, 15, 16, 300, 70_000]),
+    st.integers(0, 2**32),
+)
+def test_digests_of_keys_of_one_length_equal_per_key_digests(
+    length: int, count: int, seed: int
+) -> None:
+    """Keys of one length take the packed path (1 to 255 bytes) or the grouped one, for
+    every msgpack array header (counts below 16, below 65,536, and above); a key of another
+    length at any place (or two whose lengths make up for each other), bytes that look like
+    the packed tags, or a key of another type give the same digests as the per-key
+    function."""
+    rng = np.random.default_rng(seed)
+    tag = bytes([0xC4, length % 256])
+    keys = [rng.bytes(length) for _ in range(count)]
+    keys[rng.integers(count)] = (tag * length)[:length]
+    picked = sorted({0, count - 1, count // 2})
+    want = {i: s.digest("ns", keys[i]) for i in picked}
+    assert {i: int(s.digests("ns", keys)[i]) for i in picked} == want
+    assert int(s.digests("ns", tuple(keys))[count - 1]) == want[count - 1]
+    for at in picked:
+        for other in (keys[at][:-1] or b"x" * 2, keys[at] + tag, bytearray(keys[at])):
+            changed = [*keys[:at], other, *keys[at + 1 :]]
+            got = s.digests("ns", changed)
+            assert int(got[at]) == s.digest("ns", bytes(other))
+            assert [int(got[i]) for i in picked if i != at] == [want[i] for i in picked if i != at]
+    if count > 2 and length > 1:  # one key a byte shorter, a later one a byte longer
+        changed = [keys[0], keys[1][:-1], *keys[2:-1], keys[-1] + b"\xc4"]
+        assert s.digests("ns", changed).tolist() == [s.digest("ns", k) for k in changed]
+
+
 def test_digests_depend_on_namespace_and_length() -> None:
     assert s.digest("a", b"k") != s.digest("b", b"k")
     assert s.digest("a", b"k") != s.digest("a", b"k\0")
@@ -62,6 +95,7 @@ def test_table_agrees_with_a_dict(ops: list[tuple[bool, int, int]]) -> None:
                 assert (slot_, gen_) == (want if want else (-1, 0))
                 assert reader.find_one(d_) == (want if want else (-1, 0))
                 assert reader.holds(d_) is (want is not None)
+            assert reader.held(probe).tolist() == [d_ in model for d_ in probe.tolist()]
         assert writer.entries == len(model)
     finally:
         writer.close()
@@ -92,6 +126,7 @@ def test_a_cluster_longer_than_the_probe_rounds_is_found_whole() -> None:
             slots, gens = reader.find(np.array(probe, np.uint64))
             got = list(zip(slots.tolist(), gens.tolist(), strict=True))
             assert got == [model.get(d, (-1, 0)) for d in probe]
+            assert reader.held(np.array(probe, np.uint64)).tolist() == [d in model for d in probe]
     finally:
         writer.close()
         reader.close()
@@ -153,6 +188,8 @@ def _read(path: str, rounds: int, started: Barrier, out: mp.Queue) -> None:  # t
     reader = s.TableReader(Path(path))
     keys = [b"key-%d" % n for n in range(600)]
     ds = s.digests("ns", keys)
+    never = s.digests("ns", [b"key-%d" % n for n in range(600, 900)])  # never published
+    both = np.concatenate([ds, never])
     deadline = time.monotonic() + 120  # the writer may not have published anything yet
     while not (reader.find(ds)[0] >= 0).any() and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -167,6 +204,9 @@ def _read(path: str, rounds: int, started: Barrier, out: mp.Queue) -> None:  # t
             one = reader.find_one(int(ds[n]))
             if one[0] >= 0:
                 bad += one != (n, GEN + n)
+        held = reader.held(both)
+        bad += int(held[len(ds) :].sum())
+        hits += int(held[: len(ds)].sum())
     out.put((bad, hits))
 
 

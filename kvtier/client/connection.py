@@ -333,8 +333,7 @@ class AgentClient:
             ds = digests(namespace, keys) if key_digests is None else key_digests
             if len(ds) != len(keys):
                 raise ValueError("lookup needs one digest per key")
-            slots, _ = index.find(ds)
-            held = slots >= 0
+            held = index.held(ds)
             all_held = bool(held.all())
             if self.pool_answers(all_held):
                 self.reports.request(namespace, ds)
