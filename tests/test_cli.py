@@ -143,3 +143,51 @@ def test_trace_with_a_bad_endpoint_or_timeout_is_a_message() -> None:
     for timeout in ("nan", "inf", "0", "-1"):
         proc = run("trace", "--agent", "ipc:///nonexistent/agent.sock", "--timeout", timeout)
         assert proc.returncode == 2 and "argument --timeout" in proc.stderr, proc.stderr
+
+
+def test_demo_refuses_a_directory_it_did_not_write_and_leaves_it_alone(tmp_path: Path) -> None:
+    """The demo empties its filesystem tier's directory before and after a run: one that
+    holds anything else (a home directory given by mistake) is refused untouched, as is a
+    file; one an earlier, killed run left is emptied."""
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "todo.txt").write_text("keep")
+    proc = run("demo", "--fs-dir", str(mine))
+    assert proc.returncode == 2 and "--fs-dir" in proc.stderr and "todo.txt" in proc.stderr
+    assert (mine / "todo.txt").read_text() == "keep"
+    proc = run("demo", "--fs-dir", str(mine / "todo.txt"))
+    assert proc.returncode == 2 and "not a directory" in proc.stderr
+    left = tmp_path / "left"
+    (left / "demo").mkdir(parents=True)
+    (left / "demo" / "manifest.json").write_text("{}")
+    proc = demo(left, "--conversations", "1", "--turns", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert not left.exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--capacity", "0"], "--capacity"),
+        (["--capacity=-5G"], "--capacity"),
+        (["--capacity", "lots"], "--capacity"),
+        (["--vllm-python", "/nonexistent/python"], "--vllm-python"),
+        (["--clients", "0"], "--clients"),
+    ],
+)
+def test_demo_bad_flags_are_one_clear_error_and_leave_nothing(
+    tmp_path: Path, flags: list[str], said: str
+) -> None:
+    before = set(Path("/dev/shm").glob("kvtier-demo-*"))
+    proc = demo(tmp_path / "fs", *flags)
+    assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr
+    assert set(Path("/dev/shm").glob("kvtier-demo-*")) <= before
+
+
+def test_vllm_config_names_a_bad_cpu_bytes(scratch: Path) -> None:
+    path = scratch / "agent.yaml"
+    path.write_text(yaml.safe_dump(config_data(scratch)))
+    for value in ("abc", "-1"):
+        proc = run("vllm-config", "--config", str(path), f"--cpu-bytes={value}")
+        assert proc.returncode == 2 and "--cpu-bytes" in proc.stderr
+        assert "Traceback" not in proc.stderr

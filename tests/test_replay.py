@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -219,6 +223,44 @@ def test_counts_below_one_are_refused(
         main(["replay", str(path), "--blocks", "4", flag, value])
     assert exited.value.code == 2
     assert f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["replay", "--blocks", "4,abc"], "--blocks: 'abc' is not a whole number"),
+        (["replay", "--blocks", "1e3"], "--blocks: '1e3'"),
+        (["replay", "--capacity", "8gi", "--block-bytes", "64Mi"], "--capacity: cannot read '8gi'"),
+        (["replay", "--capacity", "8Gi", "--block-bytes", "64mi"], "--block-bytes: cannot read"),
+        (["plan", "--memory-budget", "3x", "--block-bytes", "1Mi"], "--memory-budget: cannot"),
+    ],
+)
+def test_a_bad_number_is_named_by_its_flag_on_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    """Of two quantity flags, the message says which one it could not read, and stays one
+    line however narrow the terminal (it was wrapped at 80 columns even into a file)."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD * 3)
+    assert main([argv[0], str(path), *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly(tmp_path: Path) -> None:
+    """`kvtier plan --json | head -1`: the reader closes the pipe before the report is
+    written; the command stops with the shell's status for it, no traceback."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD * 300)
+    argv = [sys.executable, "-m", "kvtier.cli.main", "plan", str(path), "--block-bytes", "1Mi"]
+    read, write = os.pipe()
+    os.close(read)  # nobody will read what it prints
+    proc = subprocess.run(
+        [*argv, "--json"], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120
+    )
+    os.close(write)
+    assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
 
 
 def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,8 @@ import argparse
 import json
 import logging
 import math
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,7 +74,12 @@ def _vllm_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    built = build_kv_transfer_config(config, cpu_bytes_to_use=parse_bytes(args.cpu_bytes))
+    try:
+        cpu_bytes = parse_bytes(args.cpu_bytes)
+        built = build_kv_transfer_config(config, cpu_bytes_to_use=cpu_bytes)
+    except ValueError as exc:
+        print(f"--cpu-bytes: {exc}", file=sys.stderr)
+        return 2
     print(kv_transfer_config_arg(built) if args.compact else json.dumps(built, indent=2))
     return 0
 
@@ -141,7 +148,6 @@ def _release_finalizers(args: argparse.Namespace) -> int:
 
 
 def _csi(args: argparse.Namespace) -> int:
-    import signal
     import threading
 
     from kvtier.csi.server import KubernetesTiers, NodePlugin, run
@@ -159,21 +165,38 @@ def _csi(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvtier.demo.main import DemoOptions, run_demo
+    from kvtier.api.config import ConfigError
+    from kvtier.demo.main import DemoOptions, foreign_files, run_demo
 
-    return run_demo(
-        DemoOptions(
-            clients=args.clients,
-            conversations=args.conversations,
-            turns=args.turns,
-            policy=args.policy,
-            capacity=args.capacity,
-            fs_dir=None if args.no_fs else args.fs_dir,
-            vllm_python=args.vllm_python,
-            plot=args.plot,
-            as_json=args.json,
+    err = sys.stderr
+    if not args.no_fs and (why := foreign_files(args.fs_dir)) is not None:
+        print(
+            f"kvtier demo: --fs-dir: {why}; the demo empties it: give a new or empty one", file=err
         )
+        return 2
+    if args.vllm_python is not None and not os.access(args.vllm_python, os.X_OK):
+        print(
+            f"kvtier demo: --vllm-python: {args.vllm_python} is not an executable "
+            "(make vllm-env makes .venv-vllm/bin/python)",
+            file=err,
+        )
+        return 2
+    options = DemoOptions(
+        clients=args.clients,
+        conversations=args.conversations,
+        turns=args.turns,
+        policy=args.policy,
+        capacity=args.capacity,
+        fs_dir=None if args.no_fs else args.fs_dir,
+        vllm_python=args.vllm_python,
+        plot=args.plot,
+        as_json=args.json,
     )
+    try:
+        return run_demo(options)
+    except ConfigError as exc:  # the pool's capacity
+        print(f"kvtier demo: --capacity: {exc}", file=err)
+        return 2
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -294,11 +317,13 @@ def _peer_keys_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
+    parser.add_argument("--clients", type=_positive, default=4, help="client processes (default 4)")
     parser.add_argument(
-        "--conversations", type=int, default=3, help="conversations per client (default 3)"
+        "--conversations", type=_positive, default=3, help="conversations per client (default 3)"
     )
-    parser.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
+    parser.add_argument(
+        "--turns", type=_positive, default=6, help="turns per conversation (default 6)"
+    )
     parser.add_argument(
         "--policy", choices=["lru", "arc", "prefix"], default="lru", help="eviction policy"
     )
@@ -307,8 +332,8 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--fs-dir",
         type=Path,
         default=Path(".scratch/demo-fs"),
-        help="directory of the demo's filesystem tier, emptied before and after the run "
-        "(default .scratch/demo-fs)",
+        help="directory of the demo's filesystem tier, emptied before and after the run; "
+        "one holding files no filesystem tier wrote is refused (default .scratch/demo-fs)",
     )
     parser.add_argument("--no-fs", action="store_true", help="run with the host tier alone")
     parser.add_argument(
@@ -584,7 +609,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (`kvtier replay --json | head`): what it did not read is
+        # dropped, as any filter's output is, with no traceback; the shell's status for
+        # a writer a pipe stopped.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -102,6 +102,8 @@ def main(args: Any) -> int:
         )
         print(f"kvtier trace: {exc}{hint}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise  # the reader of stdout went away: `kvtier`'s own quiet exit
     except (OSError, ValueError) as exc:  # ValueError: an endpoint that is not ipc://
         print(f"kvtier trace: {exc}", file=sys.stderr)
         return 2

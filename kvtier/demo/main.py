@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvtier.agent.tiers.filesystem import QUARANTINE
 from kvtier.api.config import AgentConfig
 from kvtier.api.stats import AgentStats
 from kvtier.api.units import format_bytes
@@ -176,15 +177,34 @@ def demo_config(scratch: Path, options: DemoOptions) -> AgentConfig:
     )
 
 
+def foreign_files(fs_dir: Path) -> str | None:
+    """Why the demo must not empty `fs_dir`, or None: it may be absent, empty, or hold what
+    a filesystem tier writes (namespace directories, each with its manifest, the quarantine,
+    writers' temporary files), such as an earlier run killed before it cleaned up."""
+    if not fs_dir.exists():
+        return None
+    if not fs_dir.is_dir():
+        return f"{fs_dir} is not a directory"
+    for entry in fs_dir.iterdir():
+        ours = (
+            entry.name == QUARANTINE
+            or entry.name.startswith(".tmp-")
+            or (entry.is_dir() and (entry / "manifest.json").is_file())
+        )
+        if not ours:
+            return f"{fs_dir} holds {entry.name}, which no kvtier filesystem tier wrote"
+    return None
+
+
 def run_workload(options: DemoOptions, console: Console) -> DemoReport:
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-demo-", dir="/dev/shm"))
-    if options.fs_dir is not None:
-        shutil.rmtree(options.fs_dir, ignore_errors=True)  # every run starts cold
-    config = demo_config(scratch, options)
     report = DemoReport()
     ctx = mp.get_context("spawn")
     events: mp.Queue[Any] = ctx.Queue()
     try:
+        if options.fs_dir is not None:
+            shutil.rmtree(options.fs_dir, ignore_errors=True)  # every run starts cold
+        config = demo_config(scratch, options)
         with AgentProcess(config):
             procs = [
                 ctx.Process(target=replay, args=(i, config.endpoint, options, events))

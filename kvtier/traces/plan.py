@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.api.units import format_bytes, parse_bytes
+from kvtier.api.units import format_bytes
 from kvtier.traces.plot import check_target
 from kvtier.traces.replay import (
     Trace,
@@ -429,11 +430,11 @@ def main(args: Any) -> int:
             raise ValueError(f"sample rate {rate} is not in (0, 1]")
         if args.target_hit_rate is not None and not 0 < args.target_hit_rate <= 1:
             raise ValueError("--target-hit-rate is a fraction, e.g. 0.3")
-        budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+        budget = positive_bytes("--memory-budget", args.memory_budget)
         if budget is not None and host_blocks(budget, block_bytes, rate) * block_bytes > budget:
             raise ValueError(f"{args.memory_budget} holds no chunk of {format_bytes(block_bytes)}")
     except (OSError, ValueError, TraceError) as exc:
-        err.print(str(exc))
+        print(exc, file=sys.stderr)  # one line, whatever the terminal's width
         return 2
     others = [p for p in POLICIES if p != policy]
     passes = len(grid(trace.unique_blocks, args.points)) + 1 + len(others)

@@ -28,6 +28,7 @@ import gzip
 import heapq
 import json
 import secrets
+import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -509,10 +510,27 @@ def positive_bytes(flag: str, text: str | None) -> int | None:
     by name, not read as "not given" or as a capacity that holds no block."""
     if text is None:
         return None
-    value = parse_bytes(text)
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
     if value <= 0:
         raise ValueError(f"{flag} must be a positive size such as 64Mi (got {text})")
     return value
+
+
+def block_counts(text: str | None) -> list[int]:
+    """`--blocks`: comma-separated whole numbers of blocks."""
+    counts = []
+    for part in (text or "").split(","):
+        if part.strip():
+            try:
+                counts.append(int(part))
+            except ValueError:
+                raise ValueError(
+                    f"--blocks: {part.strip()!r} is not a whole number of blocks (e.g. 512,2048)"
+                ) from None
+    return counts
 
 
 def budgets(
@@ -522,7 +540,9 @@ def budgets(
     if capacities:
         if not block_bytes:
             raise ValueError("--capacity needs --block-bytes or --bytes-per-token")
-        out += [Budget(capacity_label(c), parse_bytes(c) // block_bytes) for c in capacities]
+        for c in capacities:
+            size = positive_bytes("--capacity", c) or 0
+            out.append(Budget(capacity_label(c), size // block_bytes))
     if not out:
         raise ValueError("give --capacity (with --block-bytes) or --blocks")
     for budget in out:
@@ -803,10 +823,10 @@ def main(args: Any) -> int:
             per_token = positive_bytes("--bytes-per-token", args.bytes_per_token)
             block_bytes = (per_token or 0) * trace.block_size
         capacities = [c.strip() for c in (args.capacity or "").split(",") if c.strip()]
-        blocks = [int(b) for b in (args.blocks or "").split(",") if b.strip()]
+        blocks = block_counts(args.blocks)
         sizes = budgets(capacities, block_bytes, blocks)
     except (OSError, ValueError) as exc:
-        err.print(str(exc))
+        print(exc, file=sys.stderr)  # one line, whatever the terminal's width
         return 2
     total = trace.requests * len(sizes) * len(policies)
     with progress_bar("replay", err) as bar:
