@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import yaml
 from lightkube import ApiError, AsyncClient, Client, codecs
 from lightkube.core.resource_registry import resource_registry
 from lightkube.generic_resource import create_namespaced_resource
@@ -41,6 +42,23 @@ __all__ = [
     "retry_watch",
     "to_object",
 ]
+
+
+def credentials_problem() -> str | None:
+    """Why no client of the API server can be made here, or None: no service account and
+    no kubeconfig, or a kubeconfig that does not parse as one (lightkube then raises
+    whatever its YAML reader or its lookups raise, not its ConfigError)."""
+    from lightkube.config.kubeconfig import KubeConfig
+    from lightkube.core.exceptions import ConfigError
+
+    try:
+        KubeConfig.from_env()  # the service account in a pod, else KUBECONFIG or ~/.kube/config
+    except ConfigError as exc:
+        return str(exc)
+    except (OSError, ValueError, LookupError, TypeError, AttributeError, yaml.YAMLError) as exc:
+        said = " ".join(str(exc).split())  # yaml's errors span lines
+        return f"the kubeconfig cannot be read ({type(exc).__name__}: {said})"
+    return None
 
 
 def resource_of(api_version: str, kind: str) -> Any:

@@ -191,3 +191,78 @@ def test_vllm_config_names_a_bad_cpu_bytes(scratch: Path) -> None:
         proc = run("vllm-config", "--config", str(path), f"--cpu-bytes={value}")
         assert proc.returncode == 2 and "--cpu-bytes" in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def no_cluster(home: Path, **more: str) -> dict[str, str]:
+    """The environment of a machine outside any cluster: no service account (none is
+    mounted here), no KUBECONFIG, a home without ~/.kube."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")
+    }
+    return {**env, "HOME": str(home), **more}
+
+
+def test_agent_reporting_to_kubernetes_without_credentials_is_refused_before_its_pool(
+    scratch: Path,
+) -> None:
+    """report.target kubernetes outside a cluster: one line naming the field and the fix,
+    from --check and at start, before any pool file is made (it was a chained traceback
+    from the reporter, after the pool was made; --check passed)."""
+    data = config_data(scratch)
+    data["report"] = {"target": "kubernetes", "namespace": "default", "tier": "t"}
+    path = scratch / "agent.yaml"
+    path.write_text(yaml.safe_dump(data))
+    env = no_cluster(scratch)
+    for flags in (["--check"], []):
+        proc = subprocess.run(
+            [*KVTIER, "agent", "--config", str(path), *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert "report.target" in proc.stderr and "KUBECONFIG" in proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not any((scratch / "pool").glob("*"))
+
+
+def test_agent_check_makes_no_directory(scratch: Path) -> None:
+    """`--check` validates and exits: a missing tier directory (and poolDir, runDir) is
+    judged by the directory it would be made in, and not made; one that could not be
+    made is named."""
+    data = config_data(scratch)
+    data["tiers"] = [
+        {"name": "fs", "filesystem": {"path": str(scratch / "a/b/fs"), "capacity": "1Gi"}}
+    ]
+    path = scratch / "agent.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = run("agent", "--config", str(path), "--check")
+    assert proc.returncode == 0, proc.stderr
+    assert not (scratch / "a").exists() and not (scratch / "pool").exists()
+    assert not (scratch / "run").exists()
+    (scratch / "a").write_text("a file where a directory would be made")
+    proc = run("agent", "--config", str(path), "--check")
+    assert proc.returncode == 2 and "tiers[0].filesystem.path" in proc.stderr
+
+
+@pytest.mark.parametrize("kubeconfig", ["garbage: [\n", "apiVersion: v1\nkind: Config\n"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        [sys.executable, "-m", "kvtier.cli.kubectl", "status"],
+        [*KVTIER, "csi", "--node-id", "n1"],
+        [*KVTIER, "operator"],
+    ],
+)
+def test_a_kubeconfig_that_does_not_parse_is_one_line(
+    tmp_path: Path, kubeconfig: str, command: list[str]
+) -> None:
+    """A malformed kubeconfig, or one without its lists, gave a YAML or KeyError
+    traceback from kubectl-kvtier, and csi had none of the operator's check."""
+    path = tmp_path / "config"
+    path.write_text(kubeconfig)
+    env = no_cluster(tmp_path, KUBECONFIG=str(path))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "kubeconfig cannot be read" in proc.stderr and proc.stderr.count("\n") == 1

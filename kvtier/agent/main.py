@@ -23,7 +23,7 @@ def start(config_path: Path, check: bool) -> int:
     try:
         config = load_config(config_path)
         if check:
-            check_runtime(config)
+            check_runtime(config, create=False)
             print(config.to_yaml(), end="")
             return 0
     except ConfigError as exc:

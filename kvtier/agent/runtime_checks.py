@@ -6,6 +6,7 @@ which the operator imports and which must not touch the filesystem or load numpy
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -20,11 +21,17 @@ from kvtier.shm.pool import staging_path
 from kvtier.shm.table import index_path
 
 
-def _check_writable_dir(field: str, directory: Path) -> str | None:
+def _check_writable_dir(field: str, directory: Path, create: bool) -> str | None:
+    """Whether the agent can write in `directory`, made if missing. Without `create` (`kvtier
+    agent --check`) nothing is made: a missing directory is judged by the directory it
+    would be made in."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvtier-probe-"):
-            pass
+        if create:
+            directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvtier-probe-"):
+                pass
+        else:
+            _writable_or_makeable(directory)
     except OSError as exc:
         reason = exc.strerror or str(exc)
         return (
@@ -32,6 +39,17 @@ def _check_writable_dir(field: str, directory: Path) -> str | None:
             f"fix: point {field} at a writable directory or mount one there"
         )
     return None
+
+
+def _writable_or_makeable(directory: Path) -> None:
+    """Raises the OSError a start would meet making or writing in `directory`."""
+    probe = directory
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(probe))
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(probe))
 
 
 def _allocated(path: Path) -> int:
@@ -49,8 +67,11 @@ def _check_pool_fits(config: AgentConfig) -> str | None:
     geometry = pool_geometry(host.capacity, host.chunk_bytes)
     needed = tier_files_bytes(geometry)
     pool = config.pool_path
+    where = host.pool_dir  # or, not made yet (`--check`), the directory it would be made in
+    while not where.exists() and where.parent != where:
+        where = where.parent
     try:
-        st = os.statvfs(host.pool_dir)
+        st = os.statvfs(where)
     except OSError:
         return None  # the writable-directory check reports it
     free = st.f_bavail * st.f_frsize
@@ -72,15 +93,16 @@ def _check_pool_fits(config: AgentConfig) -> str | None:
     )
 
 
-def check_runtime(config: AgentConfig) -> None:
-    """Checks that need the filesystem, done once at start before anything is created."""
+def check_runtime(config: AgentConfig, create: bool = True) -> None:
+    """Checks that need the filesystem, done once at start before anything else is created
+    (the directories are, unless `create` is false)."""
     checks = [("host.poolDir", config.host.pool_dir), ("runDir", config.run_dir)]
     checks += [
         (f"tiers[{i}].filesystem.path", t.filesystem.path)
         for i, t in enumerate(config.tiers)
         if t.filesystem is not None
     ]
-    problems = [p for field, path in checks if (p := _check_writable_dir(field, path))]
+    problems = [p for field, path in checks if (p := _check_writable_dir(field, path, create))]
     problems += [p for p in [_check_pool_fits(config)] if p]
     from kvtier.agent.tiers import nixl_path  # loads NIXL, which only this check needs here
 
@@ -90,5 +112,15 @@ def check_runtime(config: AgentConfig) -> None:
         for i, t in enumerate(config.tiers)
         if t.peer is not None and t.peer.data_path == "nixl" and not nixl_path.available()
     ]
+    if config.report.target == "kubernetes":
+        from kvtier.kube import credentials_problem
+
+        problem = credentials_problem()
+        if problem is not None:
+            problems.append(
+                f"report.target is 'kubernetes' but there are no Kubernetes credentials here "
+                f"({problem}); fix: run the agent in a pod with a service account, set "
+                "KUBECONFIG, or set report.target to 'file' or 'none'"
+            )
     if problems:
         raise ConfigError(problems)

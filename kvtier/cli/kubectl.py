@@ -16,26 +16,33 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightkube.core.exceptions import ConfigError
 from lightkube.resources.core_v1 import Pod
 from rich.console import Console
 from rich.table import Table
 
 from kvtier.api.node_status import NodeStatus, read_node_status
 from kvtier.api.units import format_bytes
-from kvtier.kube import ApiError, Client, KVCacheNode, KVCacheTier, as_dict, not_found
+from kvtier.kube import (
+    ApiError,
+    Client,
+    KVCacheNode,
+    KVCacheTier,
+    as_dict,
+    credentials_problem,
+    not_found,
+)
 
 STALE_SECONDS = 60.0
 
 
 def _client() -> Client:
     """The current kubeconfig context, as kubectl uses it."""
-    try:
-        return Client()
-    except ConfigError as exc:
+    problem = credentials_problem()
+    if problem is not None:
         raise SystemExit(
-            f"no usable kubeconfig ({exc}): set KUBECONFIG or create ~/.kube/config"
-        ) from exc
+            f"no usable kubeconfig ({problem}): set KUBECONFIG or create ~/.kube/config"
+        )
+    return Client()
 
 
 def _tiers_and_nodes(client: Client, namespace: str | None) -> tuple[list[Any], list[Any]]:

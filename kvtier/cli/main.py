@@ -86,17 +86,8 @@ def _vllm_config(args: argparse.Namespace) -> int:
 
 def _operator(args: argparse.Namespace) -> int:
     import kopf
-    from lightkube.config.kubeconfig import KubeConfig
-    from lightkube.core.exceptions import ConfigError as KubeConfigError
 
-    try:
-        KubeConfig.from_env()  # the service account in a pod, else KUBECONFIG or ~/.kube/config
-    except KubeConfigError as exc:
-        print(
-            f"kvtier operator: no Kubernetes credentials ({exc}); run it in a pod with a "
-            "service account, or set KUBECONFIG",
-            file=sys.stderr,
-        )
+    if _without_credentials("kvtier operator"):
         return 2
 
     import kvtier.operator.main  # registers the handlers
@@ -111,19 +102,27 @@ def _operator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _without_credentials(command: str) -> bool:
+    """Says so, in one line, where no client of the API server can be made here."""
+    from kvtier.kube import credentials_problem
+
+    problem = credentials_problem()
+    if problem is not None:
+        print(
+            f"{command}: no Kubernetes credentials ({problem}); run it in a pod with a "
+            "service account, or set KUBECONFIG",
+            file=sys.stderr,
+        )
+    return problem is not None
+
+
 def _release_finalizers(args: argparse.Namespace) -> int:
     import asyncio
-
-    from lightkube.config.kubeconfig import KubeConfig
-    from lightkube.core.exceptions import ConfigError as KubeConfigError
 
     from kvtier.operator.uninstall import FINALIZER, release_all
 
     err = sys.stderr
-    try:
-        KubeConfig.from_env()
-    except KubeConfigError as exc:
-        print(f"kvtier operator release-finalizers: no Kubernetes credentials ({exc})", file=err)
+    if _without_credentials("kvtier operator release-finalizers"):
         return 2
     stop = None
     if args.stop:
@@ -153,6 +152,8 @@ def _csi(args: argparse.Namespace) -> int:
     from kvtier.csi.server import KubernetesTiers, NodePlugin, run
     from kvtier.csi.volumes import Volumes, remove_legacy_pools
 
+    if _without_credentials("kvtier csi"):  # it reads each volume's KVCacheTier
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.legacy_dir is not None and (removed := remove_legacy_pools(args.legacy_dir)):
         logging.getLogger("kvtier.csi").info("removed legacy pools: %s", ", ".join(removed))
