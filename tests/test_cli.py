@@ -157,8 +157,9 @@ def test_demo_refuses_a_directory_it_did_not_write_and_leaves_it_alone(tmp_path:
     assert (mine / "todo.txt").read_text() == "keep"
     proc = run("demo", "--fs-dir", str(mine / "todo.txt"))
     assert proc.returncode == 2 and "not a directory" in proc.stderr
-    left = tmp_path / "left"
-    (left / "demo").mkdir(parents=True)
+    left = tmp_path / "left"  # as a killed run leaves it
+    (left / ".kvtier-demo").mkdir(parents=True)
+    (left / "demo").mkdir()
     (left / "demo" / "manifest.json").write_text("{}")
     proc = demo(left, "--conversations", "1", "--turns", "2", "--json")
     assert proc.returncode == 0, proc.stderr

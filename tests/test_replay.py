@@ -247,6 +247,31 @@ def test_a_bad_number_is_named_by_its_flag_on_one_line(
     assert said in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--nodes", "2", "--agent", "ipc:///nowhere.sock"], "give one"),
+        (["--nodes", "2", "--blocks", "100"], "--blocks: not used with --nodes"),
+        (["--nodes", "2", "--policy", "arc"], "--policy: not used with --nodes"),
+        (["--agent", "ipc:///nowhere.sock", "--policy", "arc"], "--policy: not used with --agent"),
+        (["--agent", "ipc:///nowhere.sock", "--blocks", "4"], "--blocks: not used with --agent"),
+        (["--blocks", "4", "--route", "random"], "--route: not used without --nodes"),
+        (["--blocks", "4", "--chunk-bytes", "1Mi"], "--chunk-bytes: not used without"),
+        (["--blocks", "4", "--block-bytes", "1Mi", "--bytes-per-token", "1Ki"], "give one"),
+    ],
+)
+def test_flags_a_replay_would_ignore_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], said: str
+) -> None:
+    """The replay over nodes sizes its own pools and a live agent has its own pool and
+    policy: a flag they would ignore (the output was the same for --blocks 100 and 5000)
+    is refused by name, before anything runs."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD * 3)
+    assert main(["replay", str(path), *flags]) == 2
+    assert said in capsys.readouterr().err
+
+
 def test_a_reader_that_goes_away_ends_the_output_quietly(tmp_path: Path) -> None:
     """`kvtier plan --json | head -1`: the reader closes the pipe before the report is
     written; the command stops with the shell's status for it, no traceback."""
@@ -358,6 +383,6 @@ def test_numbers_as_strings_read_and_huge_or_routed_records_are_messages(
     capsys.readouterr()
     huge = tmp_path / "h.jsonl"
     huge.write_text(GOOD + '{"input_length": 1' + "0" * 400 + ', "hash_ids": [1]}\n')
-    for command in (["--blocks", "4"], ["--blocks", "4", "--nodes", "2"]):
+    for command in (["--blocks", "4"], ["--nodes", "2"]):
         assert main(["replay", str(huge), *command]) == 2
         assert "h.jsonl:2: input_length" in _unwrapped(capsys.readouterr().err)

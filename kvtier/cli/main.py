@@ -206,7 +206,48 @@ def _bench(args: argparse.Namespace) -> int:
     return run_benchmark(args.target, quick=args.quick, as_json=args.json, out=args.out)
 
 
+# What each way of `kvtier replay` reads, beside the trace, --limit, --block-size, --json.
+_REPLAY_MODES = {
+    "with --nodes": {"nodes", "route"},
+    "with --agent": {"agent", "chunk_bytes", "namespace"},
+    "without --nodes or --agent": {
+        "capacity",
+        "block_bytes",
+        "bytes_per_token",
+        "blocks",
+        "policy",
+        "plot",
+    },
+}
+
+
+def _replay_flags_unused(args: argparse.Namespace) -> str | None:
+    """Why the flags given do not make one replay, or None: a flag the chosen way would
+    ignore (the replay over nodes sizes its own pools; a live agent has its own pool and
+    policy), or two that give the block's size twice."""
+    if args.nodes is not None and args.agent:
+        return "--nodes replays nodes offline and --agent replays against a live agent: give one"
+    mode = "with --nodes" if args.nodes is not None else "with --agent" if args.agent else ""
+    mode = mode or "without --nodes or --agent"
+    flags = set().union(*_REPLAY_MODES.values())
+    unused = sorted(
+        f"--{n.replace('_', '-')}"
+        for n in flags - _REPLAY_MODES[mode]
+        if getattr(args, n) is not None
+    )
+    if unused:
+        return f"{', '.join(unused)}: not used {mode}; leave it out"
+    if args.block_bytes is not None and args.bytes_per_token is not None:
+        return "--block-bytes and --bytes-per-token both give the block's size: give one"
+    return None
+
+
 def _replay(args: argparse.Namespace) -> int:
+    if (why := _replay_flags_unused(args)) is not None:
+        print(f"kvtier replay: {why}", file=sys.stderr)
+        return 2
+    if args.route is None:
+        args.route = "prefix"
     if args.nodes is not None:
         from kvtier.traces.route_replay import main as route_main
 
@@ -334,7 +375,8 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=Path(".scratch/demo-fs"),
         help="directory of the demo's filesystem tier, emptied before and after the run; "
-        "one holding files no filesystem tier wrote is refused (default .scratch/demo-fs)",
+        "one that holds anything and was not made by a demo is refused (default "
+        ".scratch/demo-fs)",
     )
     parser.add_argument("--no-fs", action="store_true", help="run with the host tier alone")
     parser.add_argument(
@@ -389,8 +431,9 @@ def _replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", default=None, help="comma-separated capacities in blocks")
     parser.add_argument(
         "--policy",
-        default="lru,arc,prefix,optimal",
-        help="comma-separated: lru, arc, prefix, adaptive, optimal",
+        default=None,
+        help="comma-separated: lru, arc, prefix, adaptive, optimal (default: lru, arc, prefix "
+        "and optimal)",
     )
     parser.add_argument(
         "--block-size",
@@ -408,9 +451,9 @@ def _replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--route",
         choices=["prefix", "random", "both"],
-        default="prefix",
-        help="with --nodes: to the node whose KV event stream shows the longest cached "
-        "prefix (compared with random), or at random",
+        default=None,
+        help="with --nodes (default prefix): to the node whose KV event stream shows the "
+        "longest cached prefix (compared with random), or at random",
     )
     parser.add_argument(
         "--agent",
@@ -420,7 +463,9 @@ def _replay_arguments(parser: argparse.ArgumentParser) -> None:
         "bytes, instead of the index at each capacity",
     )
     parser.add_argument(
-        "--chunk-bytes", default="64Ki", help="row size with --agent (the agent's chunkBytes)"
+        "--chunk-bytes",
+        default=None,
+        help="row size with --agent (the agent's chunkBytes; default 64Ki)",
     )
     parser.add_argument(
         "--namespace", default=None, help="namespace with --agent (default: a fresh one)"

@@ -26,7 +26,6 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvtier.agent.tiers.filesystem import QUARANTINE
 from kvtier.api.config import AgentConfig
 from kvtier.api.stats import AgentStats
 from kvtier.api.units import format_bytes
@@ -177,22 +176,20 @@ def demo_config(scratch: Path, options: DemoOptions) -> AgentConfig:
     )
 
 
+DEMO_MARK = ".kvtier-demo"  # an empty directory: the tier, which walks files, sees nothing
+
+
 def foreign_files(fs_dir: Path) -> str | None:
-    """Why the demo must not empty `fs_dir`, or None: it may be absent, empty, or hold what
-    a filesystem tier writes (namespace directories, each with its manifest, the quarantine,
-    writers' temporary files), such as an earlier run killed before it cleaned up."""
+    """Why the demo must not empty `fs_dir`, or None: it may be absent, empty, or one a demo
+    made (it holds `DEMO_MARK`), such as an earlier run killed before it cleaned up."""
     if not fs_dir.exists():
         return None
     if not fs_dir.is_dir():
         return f"{fs_dir} is not a directory"
+    if (fs_dir / DEMO_MARK).is_dir():
+        return None
     for entry in fs_dir.iterdir():
-        ours = (
-            entry.name == QUARANTINE
-            or entry.name.startswith(".tmp-")
-            or (entry.is_dir() and (entry / "manifest.json").is_file())
-        )
-        if not ours:
-            return f"{fs_dir} holds {entry.name}, which no kvtier filesystem tier wrote"
+        return f"{fs_dir} holds {entry.name}, and no demo made it"
     return None
 
 
@@ -204,6 +201,7 @@ def run_workload(options: DemoOptions, console: Console) -> DemoReport:
     try:
         if options.fs_dir is not None:
             shutil.rmtree(options.fs_dir, ignore_errors=True)  # every run starts cold
+            (options.fs_dir / DEMO_MARK).mkdir(parents=True)
         config = demo_config(scratch, options)
         with AgentProcess(config):
             procs = [

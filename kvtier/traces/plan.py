@@ -411,6 +411,10 @@ def main(args: Any) -> int:
         fields = _trace_fields(args.trace)
         given = positive_bytes("--block-bytes", args.block_bytes)
         per_token = positive_bytes("--bytes-per-token", args.bytes_per_token)
+        if given is not None and per_token is not None:
+            raise ValueError(
+                "--block-bytes and --bytes-per-token both give a chunk's size: give one"
+            )
         if given is not None:
             block_bytes = given
         elif per_token is not None:

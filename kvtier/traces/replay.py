@@ -271,6 +271,7 @@ class BeladyPolicy(EvictionPolicy):
 
 
 REPLAY_POLICIES = [*POLICIES, OPTIMAL]
+DEFAULT_POLICIES = "lru,arc,prefix,optimal"  # what `kvtier replay` compares unless told
 
 
 def _make(policy: str, blocks: int) -> EvictionPolicy:
@@ -807,7 +808,8 @@ def main(args: Any) -> int:
     from rich.console import Console
 
     err = Console(stderr=True)
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    given = DEFAULT_POLICIES if args.policy is None else args.policy
+    policies = [p.strip() for p in given.split(",") if p.strip()]
     unknown = sorted(set(policies) - set(REPLAY_POLICIES)) or ([] if policies else [repr("")])
     if unknown:
         err.print(f"unknown policy {', '.join(unknown)}; use {', '.join(REPLAY_POLICIES)}")
@@ -851,7 +853,8 @@ def _main_agent(args: Any, err: Any) -> int:
 
     try:
         trace = load_trace(args.trace, args.block_size, args.limit)
-        report = replay_agent(trace, args.agent, parse_bytes(args.chunk_bytes), args.namespace)
+        rows = positive_bytes("--chunk-bytes", args.chunk_bytes or "64Ki") or 0
+        report = replay_agent(trace, args.agent, rows, args.namespace)
     except (OSError, ValueError, AgentError) as exc:
         err.print(str(exc))
         return 2
