@@ -44,6 +44,19 @@ def test_knee_where_the_curve_bends() -> None:
     assert knee(curve).capacity_bytes == 8 * GI
 
 
+def test_a_curve_without_a_bend_has_no_knee_and_says_so() -> None:
+    """Capacities doubling, the hit rate rising faster at each (a trace whose reuse lies
+    beyond the smaller pools): on a linear axis the curve lies under its chord, and
+    Kneedle's furthest point above it was the first one, recommended as a knee of the least
+    memory while the curve still rose."""
+    curve = points([0.0, 0.0, 0.001, 0.005, 0.02, 0.05, 0.115])
+    assert knee(curve) is None
+    chosen = recommend(curve, None, None)
+    assert chosen["no_knee"] and chosen["host_capacity_bytes"] == curve[-1].capacity_bytes
+    bent = points([0.02, 0.10, 0.20, 0.30, 0.32, 0.33, 0.34])
+    assert "no_knee" not in recommend(bent, None, None)
+
+
 def test_capacity_for_interpolates_on_log_scale() -> None:
     curve = points([0.0, 0.1, 0.2, 0.3])
     assert capacity_for(curve, 0.1, "host") == 2 * GI

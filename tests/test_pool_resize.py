@@ -6,9 +6,11 @@ stopped half-way and run again moves nothing twice; another slot size makes a ne
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvtier.agent.chunk import ChunkHeader, SlotState, checksum
 from kvtier.agent.host.resize import Opened, open_pool
@@ -93,10 +95,17 @@ def test_growing_keeps_every_chunk_and_adds_free_slots(tmp_path: Path) -> None:
     pool.close()
 
 
-def test_another_slot_size_makes_a_new_pool(tmp_path: Path) -> None:
+def test_another_slot_size_makes_a_new_pool(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """And says so, with what was dropped: a new host.chunkBytes empties a warm pool,
+    which the log showed only as a cold start."""
     path = _pool(tmp_path, 8, [1])
-    pool, how = open_pool(path, PoolGeometry(2 * PAYLOAD, 8), populate=False)
+    with caplog.at_level(logging.WARNING, logger="kvtier.shm.pool"):
+        pool, how = open_pool(path, PoolGeometry(2 * PAYLOAD, 8), populate=False)
     assert how is Opened.CREATED and _chunks(pool) == {}
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "host.chunkBytes" in said and f"8 slots of {PAYLOAD} bytes" in said
     assert not path.with_name(path.name + ".new").exists()
     pool.close()
     assert path.stat().st_size == PoolGeometry(2 * PAYLOAD, 8).file_bytes

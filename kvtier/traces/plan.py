@@ -163,19 +163,24 @@ def behind_host(
         p.secondary = rate
 
 
-def knee(points: Sequence[Point]) -> Point:
-    """Kneedle on the host curve, capacity on a linear axis."""
+KNEE_LIFT = 0.01  # how far above the chord (of the normalised curve) a bend must lie
+
+
+def knee(points: Sequence[Point]) -> Point | None:
+    """Kneedle on the host curve, capacity on a linear axis; None where the curve has no
+    bend: no point lies above its chord (it rises as fast, or faster, with more memory)."""
     if len(points) < 3:
         return points[-1]
     x0, x1 = points[0].capacity_bytes, points[-1].capacity_bytes
     lo, hi = min(p.host for p in points), max(p.host for p in points)
     if hi <= lo or x1 <= x0:
-        return points[0]
+        return points[0]  # flat: the least memory does as well as any
 
     def lift(p: Point) -> float:
         return (p.host - lo) / (hi - lo) - (p.capacity_bytes - x0) / (x1 - x0)
 
-    return max(points, key=lift)
+    best = max(points, key=lift)
+    return best if lift(best) > KNEE_LIFT else None
 
 
 def capacity_for(points: Sequence[Point], rate: float, which: str) -> int | None:
@@ -213,9 +218,12 @@ def host_capacity(
     points: Sequence[Point], target: float | None, budget: int | None
 ) -> dict[str, Any]:
     """The host tier's capacity from its curve alone (the secondary tier's comes after)."""
-    bend = knee(points)
+    found = knee(points)
+    bend = points[-1] if found is None else found  # no bend: every distinct chunk's room
     reachable = points[-1].host  # every distinct chunk held
     out: dict[str, Any] = {"knee": _point(bend), "reachable_hit_rate": reachable}
+    if found is None:
+        out["no_knee"] = True
     if target is not None:
         out["target_hit_rate"] = target
         out["reachable"] = target <= reachable
@@ -368,8 +376,13 @@ def summary(report: dict[str, Any]) -> list[str]:
     lines.append(
         f"host capacity per node: {what}, {report['host_blocks']:,} chunks "
         f"({100 * report['host_hit_rate']:.1f}% hit rate with {report['policy']}; "
-        f"knee at {knee_at})"
+        + ("no knee)" if report.get("no_knee") else f"knee at {knee_at})")
     )
+    if report.get("no_knee"):
+        lines.append(
+            "  the curve has no knee: hit rate rises as fast with more memory up to the whole "
+            f"working set ({knee_at}), so no smaller capacity is where it stops paying"
+        )
     if report.get("past_knee"):
         lines.append(f"  the budget is past the knee: host memory beyond {knee_at} buys little")
     better = report.get("better_policy")

@@ -106,6 +106,17 @@ def open_pool(path: Path, geometry: PoolGeometry, populate: bool) -> tuple[PoolM
             dropped,
         )
     else:
+        old = superblock_of(path) if path.exists() else None
+        if old is not None and old.payload_bytes != geometry.payload_bytes:
+            # Chunks of another size cannot be read back as these: the earlier pool goes.
+            log.warning(
+                "pool %s made anew for chunks of %d bytes (host.chunkBytes); the earlier "
+                "pool's %d slots of %d bytes are dropped, nothing of them is served",
+                path,
+                geometry.payload_bytes,
+                old.slot_count,
+                old.payload_bytes,
+            )
         create(path, geometry, POOL_MODE)
         how = Opened.CREATED
     return PoolMap(path, geometry, populate), how
