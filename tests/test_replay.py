@@ -153,7 +153,7 @@ def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     (row,) = report["budgets"]
-    assert row["capacity"] == "4Mi" and row["blocks"] == 4
+    assert row["capacity"] == "4Mi" and row["blocks"] == 4 and row["capacity_bytes"] == 4 << 20
     assert 0 <= row["lru"] <= row["optimal"] <= 1
     assert set(row["block_hit_rate"]) == {"lru", "optimal"}
     assert isinstance(report["requests_per_s"], float)
@@ -175,6 +175,12 @@ GOOD = '{"timestamp": 1, "input_length": 1024, "hash_ids": [1, 2]}\n'
         ('{"timestamp": "x", "input_length": 10, "hash_ids": [1]}', "t.jsonl:3: timestamp"),
         ('{"input_length": 10, "hash_ids": [1], "block_size": 0}', "t.jsonl:3: block_size"),
         ("{bad json", "t.jsonl:3: not a JSON record"),
+        ('{"timestamp": 0, "input_length": 10, "hash_ids": [true]}', "t.jsonl:3: hash_ids"),
+        ('{"timestamp": 0, "input_length": -100, "hash_ids": [1]}', "t.jsonl:3: input_length"),
+        (
+            '{"timestamp": 0, "input_length": 100000000000000000000000000, "hash_ids": [1]}',
+            "t.jsonl:3: input_length is out of range",
+        ),
     ],
 )
 def test_a_bad_record_is_named_by_its_line_and_field(

@@ -131,10 +131,16 @@ def _checked(record: dict[str, Any], where: str) -> bool:
     ids = record.get("hash_ids")
     if ids is None or "input_length" not in record:
         return False
-    if not isinstance(ids, list) or not all(isinstance(b, int | str) for b in ids):
+    if not isinstance(ids, list) or not all(
+        isinstance(b, int | str) and not isinstance(b, bool) for b in ids
+    ):
         raise TraceError(f"{where}: hash_ids must be a list of block ids (integers or strings)")
     record["input_length"] = length = _number(record, "input_length", where, whole=True)
-    if not ids or length <= 0:
+    if length < 0:
+        raise TraceError(
+            f"{where}: input_length must be a count of tokens, 0 or more (got {length})"
+        )
+    if not ids or length == 0:
         return False
     if "timestamp" in record:
         record["timestamp"] = _number(record, "timestamp", where, whole=False)
@@ -151,12 +157,11 @@ def _number(record: dict[str, Any], field: str, where: str, whole: bool) -> Any:
     if isinstance(value, str):  # a number written as a string, as some exports do
         with contextlib.suppress(ValueError):
             value = float(value)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not -(2**63) < value < 2**63  # also false for nan and infinities
-        or (whole and value != int(value))
-    ):
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise TraceError(f"{where}: {field} must be {kinds} (got {json.dumps(got)})")
+    if not -(2**63) < value < 2**63:  # infinities too
+        raise TraceError(f"{where}: {field} is out of range (got {json.dumps(got)}; at most 2^63)")
+    if whole and value != int(value):
         raise TraceError(f"{where}: {field} must be {kinds} (got {json.dumps(got)})")
     return int(value) if whole else float(value)
 
@@ -495,6 +500,7 @@ def replay_direct(
 class Budget:
     label: str  # as given: "8Gi", or the block count
     blocks: int
+    capacity_bytes: int | None = None  # where given as a size
 
 
 def capacity_label(capacity: str) -> str:
@@ -543,7 +549,7 @@ def budgets(
             raise ValueError("--capacity needs --block-bytes or --bytes-per-token")
         for c in capacities:
             size = positive_bytes("--capacity", c) or 0
-            out.append(Budget(capacity_label(c), size // block_bytes))
+            out.append(Budget(capacity_label(c), size // block_bytes, size))
     if not out:
         raise ValueError("give --capacity (with --block-bytes) or --blocks")
     for budget in out:
@@ -637,6 +643,8 @@ def run(
     began_cpu = time.thread_time()
     for size in sizes:
         row: dict[str, Any] = {"capacity": size.label, "blocks": size.blocks}
+        if size.capacity_bytes is not None:
+            row["capacity_bytes"] = size.capacity_bytes
         block_rates: dict[str, float | None] = {}
         saved: dict[str, int] = {}
         for policy in policies:
