@@ -85,6 +85,30 @@ def test_a_tier_of_no_capacity_is_refused_by_its_place_with_the_fix(
     assert "tiers.0" not in message
 
 
+def test_a_tiers_watermarks_are_named_by_its_place_with_the_fix(scratch: Path) -> None:
+    """Inverted watermarks were named `filesystem.lowWatermark`, not by the tier's place;
+    a watermark past 1 had no fix."""
+    data = config_data(scratch)
+    fs = {"path": "/mnt/fast", "capacity": "1Gi"}
+    data["tiers"] = [
+        {"name": "a", "filesystem": fs},
+        {"name": "b", "filesystem": {**fs, "lowWatermark": 0.9, "highWatermark": 0.5}},
+    ]
+    assert "  - tiers.1.filesystem.lowWatermark (0.9) must be below" in refuse(data)
+    data["tiers"] = [{"name": "a", "filesystem": {**fs, "highWatermark": 5}}]
+    message = refuse(data)
+    assert "  - tiers.0.filesystem.highWatermark" in message and "fix: a share" in message
+
+
+def test_a_file_that_is_not_yaml_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("name: [unclosed\nhost: {}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    (problem,) = refused.value.problems
+    assert "not valid YAML" in problem and "\n" not in problem
+
+
 def test_slot_larger_than_pool_refused(scratch: Path) -> None:
     message = refuse(config_data(scratch, capacity="1Mi", chunkBytes="2Mi"))
     assert "host.chunkBytes" in message and "host.capacity" in message

@@ -36,6 +36,8 @@ _FIXES = {
     "host.chunkBytes": "write the size of one vLLM offload row, such as 2Mi",
     "filesystem.capacity": "write a positive size such as 100Gi",
     "objectStore.capacity": "write a positive size such as 1Ti",
+    "filesystem.highWatermark": "a share of the tier's capacity in (0, 1], such as 0.9",
+    "filesystem.lowWatermark": "a share of the tier's capacity in (0, 1), such as 0.8",
     "leaseTimeoutSeconds": "use a positive number of seconds up to 3600, such as 30",
     "reapIntervalSeconds": "use a positive number of seconds up to 3600, such as 1",
     "tierBudgetSeconds": "use a positive number of seconds up to 3600, such as 2",
@@ -126,7 +128,7 @@ class FilesystemTierConfig(_Model):
     def _check(self) -> FilesystemTierConfig:
         if self.low_watermark >= self.high_watermark:
             raise ValueError(
-                f"filesystem.lowWatermark ({self.low_watermark}) must be below highWatermark "
+                f".lowWatermark ({self.low_watermark}) must be below highWatermark "
                 f"({self.high_watermark}); fix: e.g. lowWatermark 0.8, highWatermark 0.9"
             )
         return self
@@ -433,6 +435,8 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
 def _describe(error: Any) -> str:
     path = _field_path(tuple(error["loc"]))
     message = str(error["msg"]).removeprefix("Value error, ")
+    if message.startswith("."):  # a nested model's own validator names a field of its own
+        return f"{path}{message}"
     if "fix:" in message:
         return message
     if error["type"] == "extra_forbidden":
@@ -469,5 +473,6 @@ def load_config(path: str | os.PathLike[str]) -> AgentConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError([f"config file {path} is not valid YAML: {exc}"]) from None
+        said = " ".join(str(exc).split())  # one line: yaml's message spans several
+        raise ConfigError([f"config file {path} is not valid YAML: {said}"]) from None
     return parse_config(data)
