@@ -278,6 +278,23 @@ def test_flags_a_replay_would_ignore_are_refused(
     assert said in capsys.readouterr().err
 
 
+def test_an_exports_chunk_size_sizes_a_capacity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvtier trace` writes `chunk_bytes` into its export; `plan` read it and `replay`
+    asked for --block-bytes all the same."""
+    path = tmp_path / "export.jsonl"
+    first = '{"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2], "chunk_bytes": 1048576}\n'
+    path.write_text(first + GOOD * 3)
+    assert main(["replay", str(path), "--capacity", "4Mi", "--policy", "lru", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["budgets"]
+    assert row["blocks"] == 4
+    plain = tmp_path / "t.jsonl"
+    plain.write_text(GOOD * 3)
+    assert main(["replay", str(plain), "--capacity", "4Mi"]) == 2
+    assert "names no chunk_bytes" in capsys.readouterr().err
+
+
 def test_a_reader_that_goes_away_ends_the_output_quietly(tmp_path: Path) -> None:
     """`kvtier plan --json | head -1`: the reader closes the pipe before the report is
     written; the command stops with the shell's status for it, no traceback."""

@@ -52,6 +52,7 @@ from kvtier.traces.replay import (
     progress_bar,
     replay_direct,
     show,
+    trace_fields,
 )
 
 SECONDARY_POLICY = "lru"  # how the filesystem and object tiers evict
@@ -281,15 +282,6 @@ def _point(p: Point) -> dict[str, Any]:
     }
 
 
-def _trace_fields(path: Path) -> dict[str, Any]:
-    """`chunk_bytes` and `sample_rate` from the first record (an export writes them)."""
-    from kvtier.traces.replay import read_records
-
-    for record in read_records(path, limit=1):
-        return {k: record[k] for k in ("chunk_bytes", "sample_rate") if k in record}
-    return {}
-
-
 def host_blocks(capacity_bytes: int, block_bytes: int, sample_rate: float) -> int:
     return max(1, int(capacity_bytes * sample_rate // block_bytes))
 
@@ -421,7 +413,7 @@ def main(args: Any) -> int:
         if args.plot is not None:
             check_target(args.plot)
         trace = load_trace(args.trace, args.block_size, args.limit)
-        fields = _trace_fields(args.trace)
+        fields = trace_fields(args.trace)
         given = positive_bytes("--block-bytes", args.block_bytes)
         per_token = positive_bytes("--bytes-per-token", args.bytes_per_token)
         if given is not None and per_token is not None:

@@ -166,6 +166,13 @@ def _number(record: dict[str, Any], field: str, where: str, whole: bool) -> Any:
     return int(value) if whole else float(value)
 
 
+def trace_fields(path: Path) -> dict[str, Any]:
+    """`chunk_bytes` and `sample_rate` from the first record (an export writes them)."""
+    for record in read_records(path, limit=1):
+        return {k: record[k] for k in ("chunk_bytes", "sample_rate") if k in record}
+    return {}
+
+
 def load_trace(path: Path, block_size: int | None = None, limit: int | None = None) -> Trace:
     """Read a trace; `block_size` is the fallback for records without one (records that
     name a block size must agree)."""
@@ -526,6 +533,12 @@ def positive_bytes(flag: str, text: str | None) -> int | None:
     return value
 
 
+def _exported_chunk_bytes(path: Path) -> int | None:
+    """The chunk size a `kvtier trace` export records, where it is a positive integer."""
+    size = trace_fields(path).get("chunk_bytes")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
 def block_counts(text: str | None) -> list[int]:
     """`--blocks`: comma-separated whole numbers of blocks."""
     counts = []
@@ -546,7 +559,10 @@ def budgets(
     out = [Budget(str(n), n) for n in blocks]
     if capacities:
         if not block_bytes:
-            raise ValueError("--capacity needs --block-bytes or --bytes-per-token")
+            raise ValueError(
+                "--capacity needs --block-bytes or --bytes-per-token (the trace names no "
+                "chunk_bytes)"
+            )
         for c in capacities:
             size = positive_bytes("--capacity", c) or 0
             out.append(Budget(capacity_label(c), size // block_bytes, size))
@@ -832,6 +848,8 @@ def main(args: Any) -> int:
         if block_bytes is None and args.bytes_per_token:
             per_token = positive_bytes("--bytes-per-token", args.bytes_per_token)
             block_bytes = (per_token or 0) * trace.block_size
+        if block_bytes is None and args.capacity:  # an export names its chunks' size
+            block_bytes = _exported_chunk_bytes(args.trace)
         capacities = [c.strip() for c in (args.capacity or "").split(",") if c.strip()]
         blocks = block_counts(args.blocks)
         sizes = budgets(capacities, block_bytes, blocks)
