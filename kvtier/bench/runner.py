@@ -131,6 +131,11 @@ def render_vllm(result: dict[str, Any], console: Console) -> None:
             f"1k keys p99 {result['lookup_1k_p99_us']:.0f} µs, "
             f"{result['lookup_1k_p99_ratio_vs_ipc_rtt']:.2f}x the ipc round trip"
         )
+        console.print(
+            f"vLLM's TieringOffloadingManager.lookup per key, no tier holding it: p50 "
+            f"{result['manager_lookup_miss_p50_us']:.2f} µs, of which the kvtier tier's "
+            f"{result['tier_lookup_miss_p50_us']:.2f} µs"
+        )
     console.print(
         f"{result['chunks']} chunks of {format_bytes(result['row_bytes'])}; vLLM "
         f"{result['vllm_version']}"

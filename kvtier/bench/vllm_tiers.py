@@ -138,6 +138,33 @@ def tier_lookups(tier: Any, held: list[Any], steps: int, batches: int) -> dict[s
     }
 
 
+def manager_lookups(engine: Engine, steps: int) -> dict[str, Any]:
+    """vLLM's `TieringOffloadingManager.lookup` per key, as its scheduler calls it, beside
+    the tier's own `lookup` in the same steps: on keys no tier holds (a held one would
+    start a promotion), STEP_KEYS a request, so each call runs the CPU tier's lookup, the
+    manager's metrics and the tier's."""
+    clock = time.perf_counter_ns
+    fresh = iter(range(3 * 10**9, 4 * 10**9))
+    end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    times: dict[str, list[int]] = {"manager": [], "tier": []}
+    calls = {"manager": engine.manager.lookup, "tier": engine.tier.lookup}
+    for step in range(steps):
+        for who, lookup in calls.items():
+            ctx = ReqContext(req_id=f"bench-{who}-{step}")
+            engine.tier.on_new_request(ctx)
+            keys = [chunk_key(next(fresh)) for _ in range(STEP_KEYS)]
+            for i, key in enumerate(keys):
+                ctx.set_offload_key_position(key, 32 * (i + 1))
+            for key in keys:
+                t = clock()
+                lookup(key, ctx)
+                times[who].append(clock() - t)
+            engine.tier.on_schedule_end(end)
+            engine.tier.on_request_finished(ctx)
+        time.sleep(PACE_SECONDS)
+    return {who: _percentiles(ns) for who, ns in times.items()}
+
+
 def lookup_agent(scratch: Path, name: str, held: int, tiers: list[dict[str, Any]]) -> AgentConfig:
     """An agent of LOOKUP_ROW chunks with room for `held` of them, and `tiers`."""
     extra: dict[str, Any] = {"tiers": tiers} if tiers else {}
@@ -168,6 +195,8 @@ def lookup_latency(quick: bool, agent_python: str, scratch: Path) -> dict[str, A
                 freeze_gc_heap()  # as vLLM's engine core does once it has started
                 try:
                     out[label] = tier_lookups(engine.tier, held, steps, batches)
+                    if label == "pool_only":
+                        out["manager"] = manager_lookups(engine, steps)
                 finally:
                     gc.unfreeze()
             finally:
@@ -207,6 +236,8 @@ def lookup_figures(quick: bool, agent_python: str, scratch: Path) -> dict[str, A
         "ipc_rtt_p50_us": rtt["p50_us"],
         "ipc_rtt_p99_us": rtt["p99_us"],
         "lookup_1k_p99_ratio_vs_ipc_rtt": pool["batch_1k"]["p99_us"] / rtt["p99_us"],
+        "manager_lookup_miss_p50_us": lookups["manager"]["manager"]["p50_us"],
+        "tier_lookup_miss_p50_us": lookups["manager"]["tier"]["p50_us"],
     }
 
 
