@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -167,14 +168,45 @@ def test_dashboard_charts_the_agents_metrics() -> None:
     assert all(metric in exprs for metric in METRICS)
 
 
-def test_bad_values_are_refused_by_the_schema() -> None:
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ("operator.replicas=0", "replicas"),
+        ("operator.replicas=100000000", "replicas"),
+        ("image.tag=bad tag", "tag"),
+        ("operator.watchNamespaces[0]=Inference", "watchNamespaces"),
+        ("serviceAccount.name=BadName", "name"),
+        ("webhook.port=8080", "port"),
+        ("operator.heartbeatTimeoutSeconds=1", "heartbeatTimeoutSeconds"),
+        ("security.allowedRegistries[0]=registry.corp.example", "allowedRegistries"),
+        ("csi.legacyPoolDir=/", "legacyPoolDir"),
+        ("csi.legacyPoolDir=/var/lib/kubelet", "legacyPoolDir"),
+    ],
+)
+def test_bad_values_are_refused_by_the_schema(value: str, named: str) -> None:
+    """Each rendered before, into a pod the API server refuses, one that fails at run time
+    (an image reference with a space, a webhook on the health port), an operator watching a
+    namespace that cannot exist, a registry prefix that also matches other hosts, or a
+    legacy directory the privileged plugin would empty."""
     proc = subprocess.run(
-        [HELM, "template", "kv", str(CHART), "--set", "operator.replicas=0"],
+        [HELM, "template", "kv", str(CHART), "--set", value],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode != 0 and "replicas" in proc.stderr
+    assert proc.returncode != 0 and named in proc.stderr
+
+
+def test_a_large_agent_uid_from_a_values_file_renders_as_an_integer(tmp_path: Path) -> None:
+    """Numbers in a values file are floats to Helm: 1000710000 (an OpenShift-style uid)
+    rendered as 1.00071e+09, which the CSI plugin's --agent-uid and the operator's
+    KVTIER_AGENT_UID refuse, crash-looping both."""
+    values = tmp_path / "v.yaml"
+    values.write_text("security:\n  agentUid: 1000710000\n")
+    text = json.dumps(render("-f", str(values)))
+    assert "--agent-uid=1000710000" in text
+    assert '"name": "KVTIER_AGENT_UID", "value": "1000710000"' in text
+    assert "e+09" not in text
 
 
 def test_examples_are_admitted_and_render_agent_configs() -> None:

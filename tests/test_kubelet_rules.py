@@ -192,6 +192,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         legacy = kubelet.host("/dev/shm/kvtier")
         legacy.mkdir(parents=True)
         (legacy / "default.pool").write_bytes(b"\0" * 4096)
+        (legacy / "default.pool.staging").write_bytes(b"\0" * 4096)
+        (legacy / "notes.txt").write_text("not a pool")  # a file no agent made: kept
         yield Cluster(api, kubelet, start_plugin(kubelet))
 
 
@@ -206,7 +208,7 @@ def test_the_csi_plugin_starts_again_and_again_over_a_legacy_hostpath(cluster: C
     """The legacy hostPath is a mount point in the plugin's container: emptied, kept, and
     every later start finds it as it is."""
     legacy = cluster.kubelet.host("/dev/shm/kvtier")
-    assert list(legacy.iterdir()) == []
+    assert [p.name for p in legacy.iterdir()] == ["notes.txt"]
     for _ in range(3):
         container = cluster.kubelet.restart(cluster.plugin)
         polling.wait_for(lambda c=container: "serving on" in c.log_tail(50), 30, interval=0.1)

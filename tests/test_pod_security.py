@@ -193,3 +193,15 @@ def test_a_host_path_tier_is_refused_by_the_schema(filesystem: dict[str, Any]) -
     resource["spec"]["tiers"] = [{"name": "fs", "filesystem": filesystem}]
     errors = admit(load_crd("kvcachetier.yaml"), resource)[1]
     assert any(e.startswith("spec.tiers[0].filesystem:") for e in errors), errors
+
+
+def test_an_allowed_registry_is_a_whole_path() -> None:
+    """`allowedRegistries: [registry.corp.example]` allowed the image
+    `registry.corp.example.attacker.io/evil`, whose host merely starts so."""
+    settings = SETTINGS.model_copy(update={"allowed_registries": ["registry.corp.example"]})
+    resource = tier()
+    resource["spec"]["agent"] = {"image": "registry.corp.example.attacker.io/evil:1"}
+    with pytest.raises(ConfigError, match=r"spec\.agent\.image"):
+        build_children(resource, settings)
+    resource["spec"]["agent"] = {"image": "registry.corp.example/kvtier:1"}
+    assert build_children(resource, settings)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,6 +181,11 @@ def _options(volume: TierVolume) -> str:
     return f"size={volume.size_bytes},mode={DIR_MODE:o},uid=0,gid={volume.gid}"
 
 
+# What earlier agents made in their pool directory: `<tier>.pool`, and beside it its
+# staging area, index, lock and half-made `.new` files (`<tier>.pool.<suffix>`).
+_LEGACY_FILE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?\.pool(\.[a-z]+)*")
+
+
 def remove_legacy_pools(directory: Path) -> list[str]:
     """Pools that earlier versions left in a node's /dev/shm/kvtier (a hostPath): their files
     removed, since nothing uses that path any more. The directory itself stays: kubelet
@@ -190,8 +196,8 @@ def remove_legacy_pools(directory: Path) -> list[str]:
     removed = []
     for entry in sorted(os.scandir(directory), key=lambda e: e.name):
         try:
-            if entry.is_dir(follow_symlinks=False):
-                continue  # no earlier version made directories here: not ours to remove
+            if entry.is_dir(follow_symlinks=False) or not _LEGACY_FILE.fullmatch(entry.name):
+                continue  # not a file an earlier agent made here: not ours to remove
             os.unlink(entry.path)
         except OSError as exc:
             log.warning("cannot remove legacy pool %s: %s", entry.path, exc)

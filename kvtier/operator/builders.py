@@ -65,12 +65,19 @@ def tier_volume(tier: Manifest) -> Manifest:
     }
 
 
+def under(image: str, registry: str) -> bool:
+    """Whether `image` is under `registry` (a registry, or a path in one) as a whole path:
+    `registry.corp.example` holds `registry.corp.example/x`, not
+    `registry.corp.example.attacker.io/x`."""
+    return image.startswith(registry if registry.endswith("/") else registry + "/")
+
+
 def agent_image(tier: Manifest, settings: OperatorSettings) -> str:
     """The image of the agent (and of the plug-in payload): only from allowed registries,
     since whoever may write a KVCacheTier would otherwise choose what runs on every node."""
     image = str(tier["spec"].get("agent", {}).get("image", settings.image))
     own = image == settings.image  # the operator's own, which the chart sets
-    if not own and not any(image.startswith(p) for p in settings.allowed_registries):
+    if not own and not any(under(image, p) for p in settings.allowed_registries):
         allowed = ", ".join(settings.allowed_registries) or "none"
         raise ConfigError(
             [
