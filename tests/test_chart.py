@@ -224,3 +224,46 @@ def test_examples_are_admitted_and_render_agent_configs() -> None:
         stored["metadata"]["uid"] = "x"
         config = build_agent_config(stored, OperatorSettings())
         assert parse_config(yaml.safe_load(config.to_yaml())) == config
+
+
+def test_a_webhook_certificate_made_anew_rolls_the_operator() -> None:
+    """The operator loads its webhook certificate once, at start: an upgrade that made a new
+    CA (no kept Secret to reuse: a first install, or a render without a cluster, as here)
+    changed the webhook's caBundle while the operator kept serving the old certificate, and
+    with failurePolicy Ignore pods were then made without the connector. Each such render now
+    changes the operator's pod template; the Secret carries its CA, which an upgrade against
+    a cluster reuses (Helm's `lookup`, which only a real cluster answers)."""
+    first, second = render(), render()
+
+    def parts(objects: list[dict[str, Any]]) -> tuple[str, str, str]:
+        secret = next(
+            o for o in objects if o["kind"] == "Secret" and "webhook" in o["metadata"]["name"]
+        )
+        hook = next(o for o in objects if o["kind"] == "MutatingWebhookConfiguration")
+        deployment = next(o for o in objects if o["kind"] == "Deployment")
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        return (
+            secret["data"]["ca.crt"],
+            hook["webhooks"][0]["clientConfig"]["caBundle"],
+            annotations["kvtier.io/webhook-cert"],
+        )
+
+    (ca1, bundle1, roll1), (ca2, bundle2, roll2) = parts(first), parts(second)
+    assert ca1 == bundle1 and ca2 == bundle2 and ca1 != ca2
+    assert roll1 != roll2
+    managed = render("--set", "webhook.certManager.enabled=true")
+    deployment = next(o for o in managed if o["kind"] == "Deployment")
+    assert "kvtier.io/webhook-cert" not in deployment["spec"]["template"]["metadata"].get(
+        "annotations", {}
+    )
+
+
+def test_a_release_name_as_long_as_helm_allows_makes_names_that_fit() -> None:
+    """Helm allows release names of 53 characters; the names were truncated to 63 before
+    their suffixes, so from 47 the uninstall Job's name (which the hook needs) and from 49
+    the webhook's Service were longer than the API server takes."""
+    text = helm("template", "r" * 53, str(CHART), "--namespace", "kvtier-system")
+    for obj in (d for d in yaml.safe_load_all(text) if d):
+        name = obj["metadata"]["name"]
+        if obj["kind"] in ("Service", "Job", "Deployment", "DaemonSet", "ServiceAccount"):
+            assert len(name) <= 63, (obj["kind"], name)

@@ -205,3 +205,13 @@ def test_an_allowed_registry_is_a_whole_path() -> None:
         build_children(resource, settings)
     resource["spec"]["agent"] = {"image": "registry.corp.example/kvtier:1"}
     assert build_children(resource, settings)
+
+
+def test_the_injected_container_passes_a_compute_quota() -> None:
+    """In a namespace whose ResourceQuota counts CPU and memory (requests and limits), the
+    quota's admission, after the webhook, refuses any container that names none: the
+    injected init container names both, so the pod is made as it would be without it."""
+    after = inject(copy.deepcopy(POD))
+    (plugin,) = [c for c in after["spec"]["initContainers"] if c["name"] == "kvtier-plugin"]
+    for kind in ("requests", "limits"):
+        assert set(plugin["resources"][kind]) >= {"cpu", "memory"}

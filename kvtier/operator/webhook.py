@@ -90,6 +90,12 @@ def _why_not(container: Manifest) -> str | None:
     return None
 
 
+PLUGIN_INIT_RESOURCES = {
+    "requests": {"cpu": "10m", "memory": "32Mi"},
+    "limits": {"cpu": "500m", "memory": "64Mi"},
+}
+
+
 def _plugin_init(image: str, settings: OperatorSettings) -> Manifest:
     """The init container that copies the plug-in payload into the pod, as restricted
     Pod Security requires of every container."""
@@ -98,6 +104,9 @@ def _plugin_init(image: str, settings: OperatorSettings) -> Manifest:
         "image": image,
         "command": ["cp", "-r", f"{settings.plugin_dir}/.", PLUGIN_MOUNT],
         "volumeMounts": [{"name": "kvtier-plugin", "mountPath": PLUGIN_MOUNT}],
+        # A namespace whose ResourceQuota counts CPU or memory refuses a container without
+        # them (the quota's admission runs after this webhook): a copy of a few MiB.
+        "resources": PLUGIN_INIT_RESOURCES,
         "securityContext": {
             "runAsUser": settings.agent_uid,
             "runAsNonRoot": True,

@@ -1,7 +1,11 @@
 {{- define "kvtier.name" -}}kvtier{{- end -}}
 
+{{/*
+53 characters, so that with the longest suffix a name of at most 63 takes ("-uninstall", a
+Job's) every name fits: a release name of up to 53, what Helm allows.
+*/}}
 {{- define "kvtier.fullname" -}}
-{{- printf "%s-%s" .Release.Name "kvtier" | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name "kvtier" | trunc 53 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "kvtier.labels" -}}
@@ -27,3 +31,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "kvtier.webhookService" -}}{{ include "kvtier.fullname" . }}-webhook{{- end -}}
 {{- define "kvtier.certSecret" -}}{{ include "kvtier.fullname" . }}-webhook-tls{{- end -}}
+
+{{/*
+The webhook's self-made certificate kept in the cluster, if any: a Secret of this chart's
+that holds its CA (`ca.crt`), which an upgrade reuses rather than make a new CA the running
+operator does not serve. Empty where there is none, or no cluster to ask (`helm template`).
+*/}}
+{{- define "kvtier.keptCert" -}}
+{{- $kept := lookup "v1" "Secret" .Release.Namespace (include "kvtier.certSecret" .) -}}
+{{- if and $kept $kept.data (hasKey $kept.data "ca.crt") (hasKey $kept.data "tls.crt") -}}
+{{- toJson $kept.data -}}
+{{- end -}}
+{{- end -}}
