@@ -41,11 +41,17 @@ def _check_writable_dir(field: str, directory: Path, create: bool) -> str | None
     return None
 
 
+def _existing(directory: Path) -> Path:
+    """`directory`, or where it is missing the nearest directory above it that exists (the
+    one a start would make it in)."""
+    while not directory.exists() and directory.parent != directory:
+        directory = directory.parent
+    return directory
+
+
 def _writable_or_makeable(directory: Path) -> None:
     """Raises the OSError a start would meet making or writing in `directory`."""
-    probe = directory
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
+    probe = _existing(directory)
     if not probe.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(probe))
     if not os.access(probe, os.W_OK | os.X_OK):
@@ -67,11 +73,8 @@ def _check_pool_fits(config: AgentConfig) -> str | None:
     geometry = pool_geometry(host.capacity, host.chunk_bytes)
     needed = tier_files_bytes(geometry)
     pool = config.pool_path
-    where = host.pool_dir  # or, not made yet (`--check`), the directory it would be made in
-    while not where.exists() and where.parent != where:
-        where = where.parent
     try:
-        st = os.statvfs(where)
+        st = os.statvfs(_existing(host.pool_dir))  # not made yet under `--check`
     except OSError:
         return None  # the writable-directory check reports it
     free = st.f_bavail * st.f_frsize
